@@ -1,0 +1,144 @@
+"""Accuracy harness client: sends prompts to an OpenAI-compatible server and judges runs.
+
+  run      send NUM prompts, CONCURRENCY at a time, save completions as JSON
+  verdict  compare a disaggregated run with an aggregated one, plus the decode's metrics
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import copy_task  # noqa: E402
+
+TEXT_WORDS = ("the river north light stone quiet market paper engine window seven garden "
+              "signal winter orange bridge letter cloud silver harbor").split()
+
+
+def build_prompts(task: str, n: int) -> list[tuple[str, str | None]]:
+    if task == "copy":
+        return [(p, a) for p, a in copy_task.heldout_prompts(n)]
+    rng = random.Random(1234)
+    return [(" ".join(rng.choice(TEXT_WORDS) for _ in range(rng.randint(60, 300))), None)
+            for _ in range(n)]
+
+
+async def run(args: argparse.Namespace) -> None:
+    prompts = build_prompts(args.task, args.num_prompts)
+    max_tokens = copy_task.answer_max_tokens() if args.task == "copy" else 16
+    sem = asyncio.Semaphore(args.concurrency)
+    results: list[dict | None] = [None] * len(prompts)
+    done = 0
+
+    async def one(i: int, session: aiohttp.ClientSession) -> None:
+        nonlocal done
+        body = {"model": args.model, "prompt": prompts[i][0], "max_tokens": max_tokens,
+                "temperature": 0.0, "seed": 0}
+        async with sem, session.post(args.url + "/v1/completions", json=body) as resp:
+            payload = await resp.json(content_type=None)
+        if resp.status != 200:
+            results[i] = {"error": f"HTTP {resp.status}: {str(payload)[:300]}"}
+        else:
+            results[i] = {"text": payload["choices"][0]["text"],
+                          "prompt_tokens": payload["usage"]["prompt_tokens"]}
+        done += 1
+        if done % max(1, len(prompts) // 8) == 0 or done == len(prompts):
+            print(f"  [{args.label}] {done}/{len(prompts)} done", flush=True)
+
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(one(i, session) for i in range(len(prompts))))
+    out = [{"prompt": p, "answer": a, **(r or {})} for (p, a), r in zip(prompts, results)]
+    Path(args.out).write_text(json.dumps(out))
+
+
+def metric(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", line)
+        if m:
+            total += float(m.group(1))
+    return total
+
+
+def accuracy(rows: list[dict]) -> float:
+    ok = sum(1 for r in rows if "text" in r and r["answer"] is not None
+             and copy_task.is_correct(r["text"], r["answer"]))
+    return ok / len(rows)
+
+
+def verdict(args: argparse.Namespace) -> int:
+    disagg = json.loads(Path(args.disagg).read_text())
+    agg = json.loads(Path(args.agg).read_text())
+    metrics = Path(args.decode_metrics).read_text()
+    failures = []
+    errors = [r["error"] for r in disagg if "error" in r]
+    if errors:
+        failures.append(f"{len(errors)} disaggregated requests failed, first: {errors[0]}")
+    same = sum(1 for d, a in zip(disagg, agg) if "text" in d and d.get("text") == a.get("text"))
+    agreement = 100.0 * same / len(agg)
+    copy = disagg[0]["answer"] is not None
+    acc_d = accuracy(disagg) if copy else float("nan")
+    acc_a = accuracy(agg) if copy else float("nan")
+    if copy and acc_d < args.min_accuracy:
+        failures.append(f"disaggregated accuracy {acc_d:.3f} < {args.min_accuracy}")
+    if agreement < args.min_agreement:
+        failures.append(f"agreement {agreement:.1f}% < {args.min_agreement}%")
+    loaded_req = metric(metrics, "vllm:qaic_kv_loaded_requests_total")
+    loaded_tok = metric(metrics, "vllm:qaic_kv_loaded_tokens_total")
+    failed = metric(metrics, "vllm:qaic_kv_load_failures_total")
+    local_hits = metric(metrics, "vllm:prefix_cache_hits_total")
+    prompt_tokens = sum(r.get("prompt_tokens", 0) for r in disagg)
+    print(f"decode connector: loaded_requests={loaded_req:.0f} loaded_tokens={loaded_tok:.0f} "
+          f"load_failures={failed:.0f} local_prefix_hits={local_hits:.0f} "
+          f"prompt_tokens={prompt_tokens}")
+    if loaded_req < len(disagg):
+        failures.append(f"decode loaded KV for {loaded_req:.0f} of {len(disagg)} requests")
+    # Every prompt token except the one the decode recomputes came over the wire, unless a
+    # local prefix hit already had it.
+    if loaded_tok + local_hits < prompt_tokens - len(disagg) or loaded_tok <= local_hits:
+        failures.append(f"loaded tokens ({loaded_tok:.0f}) do not cover the prompts "
+                        f"({prompt_tokens}) beyond local prefix hits ({local_hits:.0f})")
+    for f in failures:
+        print(f"FAIL: {f}")
+    print(f"accuracy: disagg={acc_d:.3f} aggregated={acc_a:.3f} agreement={agreement:.1f}% "
+          f"prompts={len(disagg)} transport={args.transport}")
+    return 1 if failures else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--url", required=True)
+    r.add_argument("--model", required=True)
+    r.add_argument("--task", choices=["copy", "text"], required=True)
+    r.add_argument("--num-prompts", type=int, default=64)
+    r.add_argument("--concurrency", type=int, default=8)
+    r.add_argument("--timeout", type=float, default=900)
+    r.add_argument("--label", default="run")
+    r.add_argument("--out", required=True)
+    v = sub.add_parser("verdict")
+    v.add_argument("--disagg", required=True)
+    v.add_argument("--agg", required=True)
+    v.add_argument("--decode-metrics", required=True)
+    v.add_argument("--transport", required=True)
+    v.add_argument("--min-accuracy", type=float, default=0.95)
+    v.add_argument("--min-agreement", type=float, default=100.0)
+    args = parser.parse_args()
+    if args.cmd == "run":
+        asyncio.run(run(args))
+        return 0
+    return verdict(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

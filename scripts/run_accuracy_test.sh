@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Prefill/decode handoff between two `vllm serve` instances through QAICConnector, checked
+# against one aggregated instance. Last line:
+#   accuracy: disagg=X aggregated=Y agreement=Z% prompts=N transport=T
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+MODEL=${MODEL:-$ROOT/models/tiny-copy}
+NUM_PROMPTS=${NUM_PROMPTS:-64}
+CONCURRENCY=${CONCURRENCY:-8}
+PREFILL_BLOCK_SIZE=${PREFILL_BLOCK_SIZE:-128}
+DECODE_BLOCK_SIZE=${DECODE_BLOCK_SIZE:-128}
+PREFILLER_TP_SIZE=${PREFILLER_TP_SIZE:-1}
+DECODER_TP_SIZE=${DECODER_TP_SIZE:-1}
+KV_TRANSPORT=${KV_TRANSPORT:-shm}
+DECODE_TARGET=${DECODE_TARGET:-vllm}
+KV_CACHE_PREFIX=${KV_CACHE_PREFIX:-}
+NEGATIVE_CONTROL=${NEGATIVE_CONTROL:-0}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
+ENFORCE_EAGER=${ENFORCE_EAGER:-1}
+STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
+KEEP_RUN=${KEEP_RUN:-0}
+
+unsupported() { echo "unsupported: $*" >&2; exit 2; }
+[ "$KV_TRANSPORT" = shm ] || unsupported "KV_TRANSPORT=$KV_TRANSPORT (only shm is implemented so far)"
+[ "$DECODE_TARGET" = vllm ] || unsupported "DECODE_TARGET=$DECODE_TARGET (the QAIC decode emulator is not built yet)"
+[ "$PREFILLER_TP_SIZE" = 1 ] && [ "$DECODER_TP_SIZE" = 1 ] \
+  || unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (TP>1 is not supported yet)"
+[ -z "$KV_CACHE_PREFIX" ] || unsupported "KV_CACHE_PREFIX applies to DECODE_TARGET=qaic only"
+[ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
+
+bash "$ROOT/scripts/setup_env.sh"
+PY="$ROOT/.venv/bin/python"
+
+RUN_ID="qaic$$$(date +%s | tail -c 5)"
+RUN_DIR=$(mktemp -d "/tmp/qaic-accuracy.XXXXXX")
+PIDS=()
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 30); do
+    alive=0; for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break; sleep 0.5
+  done
+  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  rm -f /dev/shm/qaic_kv_"${RUN_ID}"* 2>/dev/null || true
+  if [ "$rc" != 0 ] && [ -d "$RUN_DIR" ]; then
+    for log in "$RUN_DIR"/*.log; do echo "--- last lines of $(basename "$log")"; tail -n 15 "$log"; done
+  fi
+  [ "$KEEP_RUN" = 1 ] && echo "run kept in $RUN_DIR" || rm -rf "$RUN_DIR"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
+export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export PYTHONUNBUFFERED=1
+
+if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi
+DEBUG_KEY=""
+[ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
+
+serve() {  # name core port block_size kv_transfer_config(or empty)
+  local name=$1 core=$2 port=$3 bs=$4 ktc=$5
+  mkdir -p "$RUN_DIR/$name/tmp"
+  local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
+              --max-model-len "$MAX_MODEL_LEN" --block-size "$bs" --seed 0)
+  [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)
+  [ -n "$ktc" ] && args+=(--kv-transfer-config "$ktc")
+  # `python -m vllm.entrypoints.openai.api_server` is `vllm serve` without the CLI's
+  # lookup of the `vllm` distribution, which fails when only vllm-cpu is installed.
+  TMPDIR="$RUN_DIR/$name/tmp" VLLM_CACHE_ROOT="$RUN_DIR/$name/cache" \
+  TORCHINDUCTOR_CACHE_DIR="$RUN_DIR/$name/inductor" VLLM_CPU_OMP_THREADS_BIND=$core \
+    setsid "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
+  PIDS+=($!)
+}
+
+ktc() {  # role engine_id
+  echo "{\"kv_connector\":\"QAICConnector\",\"kv_role\":\"$1\",\"engine_id\":\"$2\",\"kv_load_failure_policy\":\"fail\",\"kv_connector_extra_config\":{\"transport\":\"$KV_TRANSPORT\"$DEBUG_KEY}}"
+}
+
+echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
+     "blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p")"
+serve decode 1 "$D_PORT" "$DECODE_BLOCK_SIZE" "$(ktc kv_consumer "${RUN_ID}d")"
+serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" ""
+setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" \
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" >"$RUN_DIR/proxy.log" 2>&1 &
+PIDS+=($!)
+
+wait_ready() {  # name port
+  local start=$SECONDS
+  until curl -sf "http://127.0.0.1:$2/health" >/dev/null; do
+    for pid in "${PIDS[@]}"; do
+      kill -0 "$pid" 2>/dev/null || { echo "[harness] a server exited during start-up ($1)"; exit 1; }
+    done
+    (( SECONDS - start > STARTUP_TIMEOUT )) && { echo "[harness] $1 not ready in ${STARTUP_TIMEOUT}s"; exit 1; }
+    sleep 2
+  done
+  echo "[harness] $1 ready after $((SECONDS - start))s"
+}
+wait_ready prefill "$P_PORT"; wait_ready decode "$D_PORT"; wait_ready aggregated "$A_PORT"; wait_ready proxy "$X_PORT"
+
+run_prompts() {  # label url out
+  "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" \
+    --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --out "$3"
+}
+run_prompts aggregated "http://127.0.0.1:$A_PORT" "$RUN_DIR/agg.json"
+run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json"
+sleep 1  # let the last step's connector stats reach the metrics endpoint
+curl -sf "http://127.0.0.1:$D_PORT/metrics" >"$RUN_DIR/decode_metrics.txt"
+
+MIN_ACC=0.95; [ "$TASK" = text ] && MIN_ACC=0
+set +e
+"$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
+  --decode-metrics "$RUN_DIR/decode_metrics.txt" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
+  > "$RUN_DIR/verdict.txt"
+status=$?
+set -e
+if [ "$NEGATIVE_CONTROL" = 1 ]; then
+  grep -v '^accuracy:' "$RUN_DIR/verdict.txt"
+  if [ $status = 0 ]; then echo "NEGATIVE CONTROL: corrupted KV passed the gates; the harness cannot detect bad KV"
+  else echo "NEGATIVE CONTROL: corrupted KV was detected (expected); exiting non-zero"; fi
+  tail -n 1 "$RUN_DIR/verdict.txt"
+  exit 1
+fi
+cat "$RUN_DIR/verdict.txt"
+exit $status

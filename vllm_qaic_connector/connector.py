@@ -1,0 +1,131 @@
+"""`QAICConnector`: the vLLM KV-connector entry class. It dispatches to one half by role."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata, SchedulerSide
+from vllm_qaic_connector.stats import QAICConnectorStats, QAICPromMetrics
+from vllm_qaic_connector.worker_side import QAICHandshakeMetadata, WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+
+class QAICConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(vllm_config, cfg, kv_cache_config)
+        else:
+            self.worker = WorkerSide(vllm_config, cfg, kv_cache_config)
+
+    # --- worker role --------------------------------------------------------------------
+
+    def _w(self) -> WorkerSide:
+        assert self.worker is not None, "worker-side call on the scheduler connector"
+        return self.worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._w().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, QAICConnectorMetadata)
+        self._w().bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._w().bind(None)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._w().start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are whole-request and asynchronous
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # the whole prompt is staged in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._w().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._w().get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._w().get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._w().handshake_metadata()
+
+    def get_kv_connector_stats(self) -> QAICConnectorStats | None:
+        return self._w().get_stats()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+
+    # --- scheduler role -----------------------------------------------------------------
+
+    def _s(self) -> SchedulerSide:
+        assert self.scheduler is not None, "scheduler-side call on a worker connector"
+        return self.scheduler
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._s().bind_kv_cache_manager(kv_cache_manager)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        ranks = [m.rank for m in metadata.values() if isinstance(m, QAICHandshakeMetadata)]
+        self._s().set_rank_metadata(ranks)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._s().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._s().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request, block_ids)
+
+    # --- stats -------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> QAICConnectorStats:
+        return QAICConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: Any,
+                           per_engine_labelvalues: Any) -> QAICPromMetrics:
+        return QAICPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

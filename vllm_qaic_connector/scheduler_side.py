@@ -1,0 +1,241 @@
+"""The scheduler half: logical block ids, request states, kv_transfer_params, leases,
+and the side-channel listener. It holds no tensors, layouts or transports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
+
+from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.staging import StagingPool
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    Ok,
+    RankMetadata,
+    ReleaseRequest,
+    RemotePrefill,
+    parse_remote_prefill,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Stage tokens ``[0, num_tokens)`` held in ``block_ids`` at ``staging_offset``."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    staging_offset: int
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load tokens ``[first_token, remote.num_tokens)`` into ``block_ids`` (which cover the
+    request from token 0). ``error`` set means: fail the load, report the blocks."""
+
+    request_id: str
+    block_ids: list[int]
+    first_token: int
+    remote: RemotePrefill | None
+    error: str | None = None
+
+
+@dataclass
+class QAICConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+
+
+@dataclass
+class _PendingLoad:
+    first_token: int
+    remote: RemotePrefill | None
+    error: str | None
+
+
+class SchedulerSide:
+    def __init__(
+        self, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.cfg = cfg
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.engine_id = str(ktc.engine_id)
+        self.is_producer = bool(ktc.is_kv_producer)
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"QAICConnector supports one KV cache group, got {len(groups)}")
+        spec = groups[0].kv_cache_spec
+        self.block_size = spec.block_size
+        self.bytes_per_block_all_layers = spec.page_size_bytes * len(groups[0].layer_names)
+        self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
+        self._ranks: list[RankMetadata] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._to_save: dict[str, Request] = {}
+        self._staged: dict[str, SaveSpec] = {}
+        self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
+        self._pending_loads: dict[str, LoadSpec] = {}
+        self._server = SideChannelServer(
+            cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
+        )
+        logger.info(
+            "QAICConnector scheduler: engine %s, side channel %s:%d, staging %d pages x %d B",
+            self.engine_id, cfg.advertise_host, self._server.port,
+            self.pool.num_pages, self.pool.page_bytes,
+        )
+
+    # --- side channel --------------------------------------------------------------------
+
+    def set_rank_metadata(self, ranks: list[RankMetadata]) -> None:
+        self._ranks = sorted(ranks, key=lambda r: r.tp_rank)
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, HandshakeRequest):
+            if msg.version != PROTOCOL_VERSION:
+                return ErrorReply(f"protocol version {msg.version}, we speak {PROTOCOL_VERSION}")
+            if not self._ranks:
+                return ErrorReply("engine not ready: workers have not registered KV caches")
+            return HandshakeReply(PROTOCOL_VERSION, self._ranks)
+        if isinstance(msg, ReleaseRequest):
+            for rid in msg.request_ids:
+                self.pool.release(rid)
+            self.pool.expire()
+            return Ok()
+        return ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    # --- decode side: loads --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        remote: RemotePrefill | None = None
+        error: str | None = None
+        try:
+            remote = parse_remote_prefill(params)
+            if remote.num_tokens > len(request.prompt_token_ids or ()):
+                raise ValueError(
+                    f"malformed kv_transfer_params: num_tokens={remote.num_tokens} exceeds "
+                    f"the prompt ({len(request.prompt_token_ids or ())} tokens)"
+                )
+            num_tokens = remote.num_tokens
+        except ValueError as exc:
+            # Still claim the tokens: the worker reports their blocks as load errors, so
+            # vLLM's kv_load_failure_policy decides, as for every other failed load.
+            error = f"request {request.request_id}: {exc}"
+            num_tokens = len(request.prompt_token_ids or ())
+        count = num_tokens - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, remote, error)
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and self.is_producer:
+            self._to_save[request.request_id] = request
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None or num_external_tokens == 0:
+            return
+        first_token, remote, error = matched
+        params["do_remote_prefill"] = False  # load once, even if rescheduled
+        self._pending_loads[request.request_id] = LoadSpec(
+            request.request_id, list(blocks.get_block_ids()[0]), first_token, remote, error
+        )
+
+    # --- prefill side: saves --------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    def _saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
+        saves = []
+        for rid, req in list(self._to_save.items()):
+            scheduled = out.num_scheduled_tokens.get(rid, 0)
+            # build_connector_meta runs before the scheduler advances num_computed_tokens.
+            if scheduled == 0 or req.num_computed_tokens + scheduled < req.num_prompt_tokens:
+                continue
+            del self._to_save[rid]
+            num_tokens = req.num_prompt_tokens
+            nbytes = blocks_for_tokens(num_tokens, self.block_size) * self.bytes_per_block_all_layers
+            offset = self.pool.allocate(rid, nbytes)
+            if offset is None:
+                logger.warning(
+                    "QAICConnector: staging pool full (%d/%d pages); request %s will be "
+                    "prefilled again by its decode", self.pool.pages_in_use,
+                    self.pool.num_pages, rid,
+                )
+                continue
+            assert self._kv_cache_manager is not None
+            block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            spec = SaveSpec(rid, block_ids[: blocks_for_tokens(num_tokens, self.block_size)],
+                            num_tokens, offset)
+            self._staged[rid] = spec
+            saves.append(spec)
+        return saves
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
+        for rid in self.pool.expire():
+            logger.warning("QAICConnector: staging lease of request %s expired", rid)
+        meta = QAICConnectorMetadata(
+            saves=self._saves_for_step(scheduler_output),
+            loads=list(self._pending_loads.values()),
+        )
+        self._pending_loads.clear()
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        rid = request.request_id
+        self._to_save.pop(rid, None)
+        self._matched.pop(rid, None)
+        spec = self._staged.pop(rid, None)
+        if spec is None:
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                  RequestStatus.FINISHED_STOPPED):
+            self.pool.release(rid)  # aborted: nobody will come for it
+            return False, None
+        if not self._ranks:
+            self.pool.release(rid)
+            return False, None
+        rank0 = self._ranks[0]
+        params = RemotePrefill(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine_id,
+            remote_host=self.cfg.advertise_host,
+            remote_port=self._server.port,
+            remote_request_id=rid,
+            num_tokens=spec.num_tokens,
+            staging_offset=spec.staging_offset,
+            staged_layout=rank0.layout_kind,
+            staged_block_size=rank0.block_size,
+        )
+        # The save ran in the step that finished the prompt, so the blocks can go now.
+        return False, msgspec.to_builtins(params)
+
+    def shutdown(self) -> None:
+        self._server.close()

@@ -1,0 +1,96 @@
+"""The staging pool's bookkeeping: fixed pages, contiguous runs, leases. Logical only.
+
+The scheduler half owns this; the worker half owns the bytes. Both agree on offsets
+because a request's region is always ``first_page * page_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Lease:
+    first_page: int
+    num_pages: int
+    expires_at: float
+
+
+class StagingPool:
+    """A fixed number of fixed-size pages; a request takes one contiguous run.
+
+    Never grows: when no run fits, ``allocate`` returns None and the caller waits or fails.
+    Thread-safe, since releases arrive on the side-channel thread.
+    """
+
+    def __init__(self, num_pages: int, page_bytes: int, lease_s: float) -> None:
+        self.num_pages = num_pages
+        self.page_bytes = page_bytes
+        self.lease_s = lease_s
+        self._free = [True] * num_pages
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+
+    def pages_for(self, num_bytes: int) -> int:
+        return max(1, math.ceil(num_bytes / self.page_bytes))
+
+    def allocate(self, request_id: str, num_bytes: int, now: float | None = None) -> int | None:
+        """Reserve a run for ``num_bytes``; returns its byte offset, or None when full."""
+        need = self.pages_for(num_bytes)
+        if need > self.num_pages:
+            raise ValueError(
+                f"request {request_id} needs {num_bytes} staging bytes, more than the whole "
+                f"pool ({self.num_pages * self.page_bytes}); raise staging_bytes"
+            )
+        with self._lock:
+            if request_id in self._leases:
+                raise ValueError(f"request {request_id} is already staged")
+            start = self._find_run(need)
+            if start is None:
+                return None
+            for p in range(start, start + need):
+                self._free[p] = False
+            expires = (time.monotonic() if now is None else now) + self.lease_s
+            self._leases[request_id] = Lease(start, need, expires)
+            return start * self.page_bytes
+
+    def _find_run(self, need: int) -> int | None:
+        run = 0
+        for p, free in enumerate(self._free):
+            run = run + 1 if free else 0
+            if run == need:
+                return p - need + 1
+        return None
+
+    def release(self, request_id: str) -> bool:
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is None:
+                return False
+            for p in range(lease.first_page, lease.first_page + lease.num_pages):
+                self._free[p] = True
+            return True
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Release every lease past its deadline; returns their request ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
+        return [rid for rid in expired if self.release(rid)]
+
+    def has(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._leases
+
+    @property
+    def pages_in_use(self) -> int:
+        with self._lock:
+            return sum(lease.num_pages for lease in self._leases.values())
+
+    @property
+    def num_leases(self) -> int:
+        with self._lock:
+            return len(self._leases)

@@ -1,0 +1,63 @@
+"""Transfer counters, reported through vLLM's KV-connector stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+COUNTERS = {
+    "loaded_requests": "Requests whose prompt KV was loaded from a prefill engine",
+    "loaded_tokens": "Prompt tokens whose KV was loaded from a prefill engine",
+    "load_failures": "Requests whose KV load failed (handled by kv_load_failure_policy)",
+    "saved_requests": "Requests whose KV was staged for a decode engine",
+    "saved_tokens": "Tokens whose KV was staged for a decode engine",
+    "bytes_copied": "KV bytes copied by the connector (staging writes and loads)",
+}
+
+
+@dataclass
+class QAICConnectorStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, name: str, value: int = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            self.add(key, value)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class QAICPromMetrics(KVConnectorPromMetrics):
+    """Exposes the counters as ``vllm:qaic_kv_<name>_total``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {}
+        for name, doc in COUNTERS.items():
+            counter = self._counter_cls(
+                name=f"vllm:qaic_kv_{name}", documentation=doc, labelnames=labelnames
+            )
+            self._counters[name] = {
+                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            per_engine = self._counters.get(name)
+            if per_engine is not None and value:
+                per_engine[engine_idx].inc(value)

@@ -1,0 +1,62 @@
+"""The transport interface: a local staging region peers can read, and reads of theirs."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from vllm_qaic_connector.wire import TransportEndpoint
+
+
+class KVTransport(ABC):
+    """Moves staged KV bytes from a prefill rank to a decode rank."""
+
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def __init__(self, name: str, staging_bytes: int) -> None:
+        """Create this rank's staging region, named ``name``, of ``staging_bytes``."""
+
+    @property
+    @abstractmethod
+    def staging(self) -> torch.Tensor:
+        """This rank's staging region as a writable flat uint8 tensor."""
+
+    @abstractmethod
+    def endpoint(self) -> TransportEndpoint:
+        """How peers reach the staging region; travels in the handshake."""
+
+    def register_kv_caches(self, caches: list[torch.Tensor]) -> None:  # noqa: B027
+        """Transports that DMA into the KV cache register it here; others need nothing."""
+
+    @abstractmethod
+    def read(self, peer: TransportEndpoint, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes ``[offset, offset+nbytes)`` of a peer's staging region, as a uint8 tensor.
+
+        May be a zero-copy view. Valid until ``release_read`` for the same peer and offset.
+        """
+
+    def release_read(self, peer: TransportEndpoint, offset: int) -> None:  # noqa: B027
+        """Drop whatever `read` holds for that region."""
+
+    def forget_peer(self, peer: TransportEndpoint) -> None:  # noqa: B027
+        """Drop mappings/registrations held for a peer."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the staging region and every peer resource. Idempotent."""
+
+
+def create_transport(kind: str, name: str, staging_bytes: int) -> KVTransport:
+    from vllm_qaic_connector.transports.shm import ShmTransport
+
+    classes: dict[str, type[KVTransport]] = {ShmTransport.kind: ShmTransport}
+    if kind == "nixl":
+        from vllm_qaic_connector.transports.nixl import NixlTransport
+
+        classes[NixlTransport.kind] = NixlTransport
+    if kind not in classes:
+        raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")
+    return classes[kind](name, staging_bytes)

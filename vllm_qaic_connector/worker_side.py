@@ -1,0 +1,318 @@
+"""The worker half: KV cache registration, handshakes, saves into staging, and loads."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.logger import init_logger
+
+from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.layout import (
+    KVGeometry,
+    KVLayout,
+    StagingFormat,
+    blocks_for_tokens,
+    copy_tokens,
+    get_layout,
+)
+from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
+from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.transports import KVTransport, create_transport
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    RankMetadata,
+    ReleaseRequest,
+    compat_hash,
+    incompatibility,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+Views = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class QAICHandshakeMetadata(KVConnectorHandshakeMetadata):
+    rank: RankMetadata
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    request_id: str
+    failed_blocks: frozenset[int]
+    tokens: int
+    bytes_copied: int
+
+
+def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
+    """Names the physical layout of a registered KV cache tensor from its shape."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return get_layout("vllm_cpu")
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    kind = "cuda_hnd" if get_kv_cache_layout() == "HND" else "cuda_nhd"
+    layout = get_layout(kind)
+    expected = layout.physical_shape(tensor.shape[1], geo)
+    if tuple(tensor.shape) != expected:
+        raise RuntimeError(f"KV cache shape {tuple(tensor.shape)} is not {kind} {expected}")
+    return layout
+
+
+class WorkerSide:
+    def __init__(
+        self, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.engine_id = str(ktc.engine_id)
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.geometry = KVGeometry(
+            num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
+            head_size=spec.head_size,  # type: ignore[attr-defined]
+            block_size=spec.block_size,
+            dtype=spec.dtype,  # type: ignore[attr-defined]
+        )
+        self.layout: KVLayout | None = None
+        self.layers: list[Views] = []
+        self.transport: KVTransport | None = None
+        self.rank_meta: RankMetadata | None = None
+        self._peers: dict[str, list[RankMetadata]] = {}
+        self._peer_lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qaic-kv-load")
+        self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._load_errors: set[int] = set()
+        self._stats = QAICConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._metadata: QAICConnectorMetadata | None = None
+
+    # --- registration ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=extract_layer_index)
+        tensors = [kv_caches[n] for n in names]
+        self.layout = detect_layout(tensors[0], self.geometry)
+        if self.layout.kind == "vllm_cpu" and self.cfg.verify_cpu_layout:
+            from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
+
+            verify_vllm_cpu_layout(self.geometry.block_size, self.geometry.head_size,
+                                   self.geometry.dtype)
+        self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
+        name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}"
+        self.transport = create_transport(self.cfg.transport, name, self.cfg.staging_bytes)
+        self.transport.register_kv_caches(tensors)
+        model_cfg = self.vllm_config.model_config
+        model = str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1]
+        dtype = str(self.geometry.dtype).removeprefix("torch.")
+        total_heads = model_cfg.get_total_num_kv_heads()
+        self.rank_meta = RankMetadata(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            layout_kind=self.layout.kind,
+            block_size=self.geometry.block_size,
+            num_blocks=tensors[0].shape[0] if self.layout.kind == "vllm_cpu"
+            else tensors[0].shape[1],
+            num_kv_heads=total_heads,
+            head_size=self.geometry.head_size,
+            dtype=dtype,
+            num_layers=len(tensors),
+            model=model,
+            compat_hash=compat_hash(model, dtype, len(tensors), total_heads,
+                                    self.geometry.head_size),
+            endpoint=self.transport.endpoint(),
+        )
+        logger.info("QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
+                    self.tp_rank, self.layout.kind, len(tensors), self.geometry.block_size,
+                    self.cfg.transport)
+
+    def handshake_metadata(self) -> QAICHandshakeMetadata | None:
+        return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
+
+    @property
+    def staging_format(self) -> StagingFormat:
+        assert self.layout is not None
+        return StagingFormat(self.layout.kind, self.geometry, len(self.layers))
+
+    # --- per step ----------------------------------------------------------------------------
+
+    def bind(self, metadata: QAICConnectorMetadata | None) -> None:
+        self._metadata = metadata
+
+    def start_load_kv(self) -> None:
+        if self._metadata is None:
+            return
+        for spec in self._metadata.loads:
+            self._loader.submit(self._load_guarded, spec)
+
+    def wait_for_save(self) -> None:
+        if self._metadata is None:
+            return
+        for spec in self._metadata.saves:
+            self._save(spec)
+
+    def _save(self, spec: SaveSpec) -> None:
+        """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
+        assert self.transport is not None
+        fmt = self.staging_format
+        nbytes = fmt.request_bytes(spec.num_tokens)
+        region = self.transport.staging[spec.staging_offset : spec.staging_offset + nbytes]
+        staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
+        written = 0
+        for src, dst in zip(self.layers, fmt.layer_views(region, spec.num_tokens), strict=True):
+            written += copy_tokens(src, spec.block_ids, dst, staged_blocks, 0, spec.num_tokens)
+        with self._stats_lock:
+            self._stats.add("saved_requests")
+            self._stats.add("saved_tokens", spec.num_tokens)
+            self._stats.add("bytes_copied", written)
+
+    # --- loads --------------------------------------------------------------------------------
+
+    def _peer_ranks(self, host: str, port: int, engine_id: str) -> list[RankMetadata]:
+        with self._peer_lock:
+            ranks = self._peers.get(engine_id)
+        if ranks is not None:
+            return ranks
+        reply = side_channel.call(host, port, HandshakeRequest(PROTOCOL_VERSION, self.engine_id),
+                                  self.cfg.shared_key, self.cfg.handshake_timeout_s)
+        if not isinstance(reply, HandshakeReply) or not reply.ranks:
+            raise ConnectionError(f"bad handshake reply from {host}:{port}")
+        assert self.rank_meta is not None
+        problem = incompatibility(self.rank_meta, reply.ranks[0])
+        if problem:
+            raise ConnectionError(f"incompatible peer: {problem}")
+        if reply.ranks[0].engine_id != engine_id:
+            raise ConnectionError(
+                f"{host}:{port} is engine {reply.ranks[0].engine_id!r}, not {engine_id!r}")
+        if len(reply.ranks) != self.tp_size:
+            raise ConnectionError(
+                f"peer {engine_id!r} has TP {len(reply.ranks)}, we have {self.tp_size}; "
+                "heterogeneous TP is not supported yet")
+        with self._peer_lock:
+            self._peers[engine_id] = reply.ranks
+        logger.info("QAICConnector: handshake with %s (%s, block %d) done", engine_id,
+                    reply.ranks[0].layout_kind, reply.ranks[0].block_size)
+        return reply.ranks
+
+    def _load_guarded(self, spec: LoadSpec) -> None:
+        try:
+            copied = self._load(spec)
+            self._results.put(LoadResult(spec.request_id, frozenset(),
+                                         self._num_load_tokens(spec), copied))
+        except Exception as exc:
+            logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
+            self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0))
+        finally:
+            self._release_remote(spec)
+
+    @staticmethod
+    def _num_load_tokens(spec: LoadSpec) -> int:
+        return 0 if spec.remote is None else spec.remote.num_tokens - spec.first_token
+
+    def _blocks_to_load(self, spec: LoadSpec) -> frozenset[int]:
+        bs = self.geometry.block_size
+        end = spec.remote.num_tokens if spec.remote else len(spec.block_ids) * bs
+        first = spec.first_token // bs
+        return frozenset(spec.block_ids[first : blocks_for_tokens(end, bs)])
+
+    def _load(self, spec: LoadSpec) -> int:
+        if spec.error is not None or spec.remote is None:
+            raise ValueError(spec.error or "no remote prefill")
+        assert self.transport is not None
+        remote = spec.remote
+        ranks = self._peer_ranks(remote.remote_host, remote.remote_port, remote.remote_engine_id)
+        src_rank = ranks[self.tp_rank]
+        fmt = StagingFormat(
+            remote.staged_layout,
+            KVGeometry(self.geometry.num_heads, src_rank.head_size, remote.staged_block_size,
+                       self.geometry.dtype),
+            src_rank.num_layers,
+        )
+        nbytes = fmt.request_bytes(remote.num_tokens)
+        region = self.transport.read(src_rank.endpoint, remote.staging_offset, nbytes)
+        try:
+            src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
+            copied = 0
+            for src, dst in zip(fmt.layer_views(region, remote.num_tokens), self.layers,
+                                strict=True):
+                copied += copy_tokens(src, src_blocks, dst, spec.block_ids,
+                                      spec.first_token, remote.num_tokens)
+                if self.cfg.debug_corrupt_loaded_kv:
+                    self._corrupt(dst, spec)
+        finally:
+            self.transport.release_read(src_rank.endpoint, remote.staging_offset)
+        return copied
+
+    def _corrupt(self, dst: Views, spec: LoadSpec) -> None:
+        """Negative control: zero what was just loaded, so accuracy must collapse."""
+        for block in self._blocks_to_load(spec):
+            dst[0][block].zero_()
+            dst[1][block].zero_()
+
+    def _release_remote(self, spec: LoadSpec) -> None:
+        if spec.remote is None:
+            return
+        try:
+            side_channel.call(spec.remote.remote_host, spec.remote.remote_port,
+                              ReleaseRequest([spec.remote.remote_request_id]),
+                              self.cfg.shared_key, self.cfg.handshake_timeout_s)
+        except ConnectionError as exc:
+            logger.warning("QAICConnector: could not release staging of %s (lease will expire): "
+                           "%s", spec.remote.remote_request_id, exc)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        done: set[str] = set()
+        while True:
+            try:
+                result = self._results.get_nowait()
+            except queue.Empty:
+                break
+            done.add(result.request_id)
+            with self._stats_lock:
+                if result.failed_blocks:
+                    self._load_errors |= result.failed_blocks
+                    self._stats.add("load_failures")
+                else:
+                    self._stats.add("loaded_requests")
+                    self._stats.add("loaded_tokens", result.tokens)
+                    self._stats.add("bytes_copied", result.bytes_copied)
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> QAICConnectorStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, QAICConnectorStats()
+            return out
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
