@@ -80,7 +80,8 @@ class QAICConnector(KVConnectorBase_V1):
         return self._w().handshake_metadata()
 
     def get_kv_connector_stats(self) -> QAICConnectorStats | None:
-        return self._w().get_stats()
+        # vLLM asks both roles; the counters live on the worker.
+        return None if self.worker is None else self.worker.get_stats()
 
     def shutdown(self) -> None:
         if self.worker is not None:
