@@ -95,6 +95,7 @@ class SchedulerSide:
         self._staged: dict[str, SaveSpec] = {}
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
+        self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
         )
@@ -205,13 +206,22 @@ class SchedulerSide:
             saves=self._saves_for_step(scheduler_output),
             loads=list(self._pending_loads.values()),
         )
+        self._loading.update(self._pending_loads)
         self._pending_loads.clear()
         return meta
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        self._loading.difference_update(finished_recving or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         rid = request.request_id
         self._to_save.pop(rid, None)
         self._matched.pop(rid, None)
+        self._pending_loads.pop(rid, None)
+        if rid in self._loading:
+            # Aborted mid-load: the worker may still write these blocks. vLLM frees them
+            # when the worker reports the load finished.
+            return True, None
         spec = self._staged.pop(rid, None)
         if spec is None:
             return False, None

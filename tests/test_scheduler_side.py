@@ -1,0 +1,202 @@
+"""The scheduler half inside a real vLLM Scheduler, with real Request objects."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from tests.vllm_harness import make_request, make_scheduler, step
+from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
+from vllm_qaic_connector.wire import (
+    RankMetadata,
+    ReleaseRequest,
+    TransportEndpoint,
+    compat_hash,
+)
+
+BS = 16
+
+
+def rank_meta(engine_id: str = "eng") -> RankMetadata:
+    return RankMetadata(engine_id=engine_id, tp_rank=0, tp_size=1, layout_kind="vllm_cpu",
+                        block_size=BS, num_blocks=64, num_kv_heads=2, head_size=32,
+                        dtype="float32", num_layers=2, model="tiny-copy",
+                        compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
+                        endpoint=TransportEndpoint("shm", "x", 1 << 20))
+
+
+@pytest.fixture
+def prefill():
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
+    sched.connector.set_xfer_handshake_metadata({})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    yield sched
+    sched.connector.shutdown()
+
+
+@pytest.fixture
+def decode():
+    sched = make_scheduler("kv_consumer", BS, engine_id="dec")
+    yield sched
+    sched.connector.shutdown()
+
+
+def meta(out) -> QAICConnectorMetadata:
+    assert isinstance(out.kv_connector_metadata, QAICConnectorMetadata)
+    return out.kv_connector_metadata
+
+
+def free_blocks(sched) -> int:
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def params_of(engine_outputs, rid: str) -> dict | None:
+    for outs in engine_outputs.values():
+        for o in outs.outputs:
+            if o.request_id == rid:
+                return o.kv_transfer_params
+    return None
+
+
+def test_prefill_stages_whole_prompt_and_returns_params(prefill):
+    pool = prefill.connector.scheduler.pool
+    free_before = free_blocks(prefill)
+    req = make_request("p1", 45, {"do_remote_decode": True})
+    prefill.add_request(req)
+    out, outputs = step(prefill)
+    saves = meta(out).saves
+    assert [s.request_id for s in saves] == ["p1"]
+    assert saves[0].num_tokens == 45 and len(saves[0].block_ids) == 3
+    params = params_of(outputs, "p1")
+    assert params["do_remote_prefill"] is True
+    assert params["num_tokens"] == 45 and params["remote_request_id"] == "p1"
+    assert params["staging_offset"] == saves[0].staging_offset
+    # The save ran in the step, so blocks are back; the staging lease is held.
+    assert free_blocks(prefill) == free_before
+    assert pool.has("p1")
+    # The decode releases it over the real side channel.
+    side_channel.call(params["remote_host"], params["remote_port"], ReleaseRequest(["p1"]),
+                      None, 5.0)
+    assert not pool.has("p1") and pool.pages_in_use == 0
+
+
+def test_chunked_prefill_saves_once_when_prompt_completes():
+    sched = make_scheduler("kv_producer", BS, max_batched=32)
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("c1", 70, {"do_remote_decode": True}))
+        saves_per_step = []
+        for _ in range(3):
+            out, _ = step(sched)
+            saves_per_step.append(meta(out).saves)
+        assert [len(s) for s in saves_per_step] == [0, 0, 1]
+        spec = saves_per_step[2][0]
+        assert spec.num_tokens == 70 and len(spec.block_ids) == 5
+    finally:
+        sched.connector.shutdown()
+
+
+def test_prefill_abort_before_save_leaks_nothing(prefill):
+    free_before = free_blocks(prefill)
+    prefill.add_request(make_request("a1", 40, {"do_remote_decode": True}))
+    prefill.finish_requests("a1", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(prefill)
+    assert meta(out).saves == []
+    assert free_blocks(prefill) == free_before
+    assert prefill.connector.scheduler.pool.pages_in_use == 0
+
+
+def test_lease_expires_without_release():
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 0.01})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("l1", 20, {"do_remote_decode": True}))
+        step(sched)
+        pool = sched.connector.scheduler.pool
+        assert pool.has("l1")
+        import time
+
+        time.sleep(0.05)
+        step(sched)  # any step expires old leases
+        assert not pool.has("l1")
+    finally:
+        sched.connector.shutdown()
+
+
+def test_full_pool_falls_back_to_decode_prefill():
+    # One page of 16 KiB holds 16 tokens x 2 layers at this geometry (8 KiB per block).
+    sched = make_scheduler("kv_producer", BS,
+                           {"staging_bytes": 16384, "staging_page_bytes": 16384})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        free_before = free_blocks(sched)
+        sched.add_request(make_request("f1", 16, {"do_remote_decode": True}))
+        sched.add_request(make_request("f2", 16, {"do_remote_decode": True}, first=40))
+        _, outputs = step(sched)
+        assert params_of(outputs, "f1") is not None
+        assert params_of(outputs, "f2") is None  # no staging: the decode prefills itself
+        assert free_blocks(sched) == free_before
+    finally:
+        sched.connector.shutdown()
+
+
+def remote_params(n: int) -> dict:
+    return {"do_remote_prefill": True, "remote_engine_id": "eng", "remote_host": "127.0.0.1",
+            "remote_port": 1, "remote_request_id": "p1", "num_tokens": n,
+            "staging_offset": 0, "staged_layout": "vllm_cpu", "staged_block_size": 128}
+
+
+def test_decode_waits_for_remote_kv_then_runs(decode):
+    req = make_request("d1", 45, remote_params(45), max_tokens=3)
+    decode.add_request(req)
+    out, _ = step(decode)
+    loads = meta(out).loads
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(loads) == 1 and loads[0].first_token == 0 and loads[0].error is None
+    assert loads[0].block_ids == decode.kv_cache_manager.get_block_ids("d1")[0]
+    assert loads[0].remote.num_tokens == 45
+    step(decode, KVConnectorOutput(finished_recving={"d1"}))
+    out, _ = step(decode)
+    # Only the last prompt token is recomputed locally.
+    assert req.status == RequestStatus.RUNNING
+    assert req.num_computed_tokens >= 45
+
+
+def test_decode_malformed_params_become_a_load_error(decode):
+    bad = remote_params(45)
+    del bad["staging_offset"]
+    decode.add_request(make_request("m1", 45, bad))
+    out, _ = step(decode)
+    (load,) = meta(out).loads
+    assert load.remote is None and "staging_offset" in load.error
+
+
+def test_decode_abort_mid_load_holds_blocks_until_worker_reports(decode):
+    free_before = free_blocks(decode)
+    decode.add_request(make_request("x1", 45, remote_params(45)))
+    step(decode)
+    decode.finish_requests("x1", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(decode) < free_before  # the worker may still be writing them
+    step(decode, KVConnectorOutput(finished_recving={"x1"}))
+    assert free_blocks(decode) == free_before
+
+
+def test_decode_abort_before_load_is_scheduled(decode):
+    free_before = free_blocks(decode)
+    decode.add_request(make_request("y1", 45, remote_params(45)))
+    decode.finish_requests("y1", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(decode)
+    assert meta(out).loads == []
+    assert free_blocks(decode) == free_before
+
+
+def test_decode_abort_after_load_frees_everything(decode):
+    free_before = free_blocks(decode)
+    decode.add_request(make_request("z1", 45, remote_params(45), max_tokens=5))
+    step(decode)
+    step(decode, KVConnectorOutput(finished_recving={"z1"}))
+    step(decode)
+    decode.finish_requests("z1", RequestStatus.FINISHED_ABORTED)
+    assert free_blocks(decode) == free_before
