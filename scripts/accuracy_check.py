@@ -1,7 +1,7 @@
 """Accuracy harness client: sends prompts to an OpenAI-compatible server and judges runs.
 
-  run      send NUM prompts, CONCURRENCY at a time, save completions as JSON
-  verdict  compare a disaggregated run with an aggregated one, plus the decode's metrics
+run      send NUM prompts, CONCURRENCY at a time, save completions as JSON
+verdict  compare a disaggregated run with an aggregated one, plus the decode's metrics
 """
 
 from __future__ import annotations
@@ -19,16 +19,38 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import copy_task  # noqa: E402
 
-TEXT_WORDS = ("the river north light stone quiet market paper engine window seven garden "
-              "signal winter orange bridge letter cloud silver harbor").split()
+TEXT_WORDS = [
+    "the",
+    "river",
+    "north",
+    "light",
+    "stone",
+    "quiet",
+    "market",
+    "paper",
+    "engine",
+    "window",
+    "seven",
+    "garden",
+    "signal",
+    "winter",
+    "orange",
+    "bridge",
+    "letter",
+    "cloud",
+    "silver",
+    "harbor",
+]
 
 
 def build_prompts(task: str, n: int) -> list[tuple[str, str | None]]:
     if task == "copy":
         return [(p, a) for p, a in copy_task.heldout_prompts(n)]
     rng = random.Random(1234)
-    return [(" ".join(rng.choice(TEXT_WORDS) for _ in range(rng.randint(60, 300))), None)
-            for _ in range(n)]
+    return [
+        (" ".join(rng.choice(TEXT_WORDS) for _ in range(rng.randint(60, 300))), None)
+        for _ in range(n)
+    ]
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -40,15 +62,22 @@ async def run(args: argparse.Namespace) -> None:
 
     async def one(i: int, session: aiohttp.ClientSession) -> None:
         nonlocal done
-        body = {"model": args.model, "prompt": prompts[i][0], "max_tokens": max_tokens,
-                "temperature": 0.0, "seed": 0}
+        body = {
+            "model": args.model,
+            "prompt": prompts[i][0],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+        }
         async with sem, session.post(args.url + "/v1/completions", json=body) as resp:
             payload = await resp.json(content_type=None)
         if resp.status != 200:
             results[i] = {"error": f"HTTP {resp.status}: {str(payload)[:300]}"}
         else:
-            results[i] = {"text": payload["choices"][0]["text"],
-                          "prompt_tokens": payload["usage"]["prompt_tokens"]}
+            results[i] = {
+                "text": payload["choices"][0]["text"],
+                "prompt_tokens": payload["usage"]["prompt_tokens"],
+            }
         done += 1
         if done % max(1, len(prompts) // 8) == 0 or done == len(prompts):
             print(f"  [{args.label}] {done}/{len(prompts)} done", flush=True)
@@ -56,7 +85,9 @@ async def run(args: argparse.Namespace) -> None:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await asyncio.gather(*(one(i, session) for i in range(len(prompts))))
-    out = [{"prompt": p, "answer": a, **(r or {})} for (p, a), r in zip(prompts, results)]
+    out = [
+        {"prompt": p, "answer": a, **(r or {})} for (p, a), r in zip(prompts, results, strict=False)
+    ]
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -70,8 +101,11 @@ def metric(text: str, name: str) -> float:
 
 
 def accuracy(rows: list[dict]) -> float:
-    ok = sum(1 for r in rows if "text" in r and r["answer"] is not None
-             and copy_task.is_correct(r["text"], r["answer"]))
+    ok = sum(
+        1
+        for r in rows
+        if "text" in r and r["answer"] is not None and copy_task.is_correct(r["text"], r["answer"])
+    )
     return ok / len(rows)
 
 
@@ -83,7 +117,11 @@ def verdict(args: argparse.Namespace) -> int:
     errors = [r["error"] for r in disagg if "error" in r]
     if errors:
         failures.append(f"{len(errors)} disaggregated requests failed, first: {errors[0]}")
-    same = sum(1 for d, a in zip(disagg, agg) if "text" in d and d.get("text") == a.get("text"))
+    same = sum(
+        1
+        for d, a in zip(disagg, agg, strict=False)
+        if "text" in d and d.get("text") == a.get("text")
+    )
     agreement = 100.0 * same / len(agg)
     copy = disagg[0]["answer"] is not None
     acc_d = accuracy(disagg) if copy else float("nan")
@@ -97,20 +135,26 @@ def verdict(args: argparse.Namespace) -> int:
     failed = metric(metrics, "vllm:qaic_kv_load_failures_total")
     local_hits = metric(metrics, "vllm:prefix_cache_hits_total")
     prompt_tokens = sum(r.get("prompt_tokens", 0) for r in disagg)
-    print(f"decode connector: loaded_requests={loaded_req:.0f} loaded_tokens={loaded_tok:.0f} "
-          f"load_failures={failed:.0f} local_prefix_hits={local_hits:.0f} "
-          f"prompt_tokens={prompt_tokens}")
+    print(
+        f"decode connector: loaded_requests={loaded_req:.0f} loaded_tokens={loaded_tok:.0f} "
+        f"load_failures={failed:.0f} local_prefix_hits={local_hits:.0f} "
+        f"prompt_tokens={prompt_tokens}"
+    )
     if loaded_req < len(disagg):
         failures.append(f"decode loaded KV for {loaded_req:.0f} of {len(disagg)} requests")
     # Every prompt token except the one the decode recomputes came over the wire, unless a
     # local prefix hit already had it.
     if loaded_tok + local_hits < prompt_tokens - len(disagg) or loaded_tok <= local_hits:
-        failures.append(f"loaded tokens ({loaded_tok:.0f}) do not cover the prompts "
-                        f"({prompt_tokens}) beyond local prefix hits ({local_hits:.0f})")
+        failures.append(
+            f"loaded tokens ({loaded_tok:.0f}) do not cover the prompts "
+            f"({prompt_tokens}) beyond local prefix hits ({local_hits:.0f})"
+        )
     for f in failures:
         print(f"FAIL: {f}")
-    print(f"accuracy: disagg={acc_d:.3f} aggregated={acc_a:.3f} agreement={agreement:.1f}% "
-          f"prompts={len(disagg)} transport={args.transport}")
+    print(
+        f"accuracy: disagg={acc_d:.3f} aggregated={acc_a:.3f} agreement={agreement:.1f}% "
+        f"prompts={len(disagg)} transport={args.transport}"
+    )
     return 1 if failures else 0
 
 

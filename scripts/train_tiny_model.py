@@ -86,7 +86,7 @@ def make_batch(
     pad = tok.pad_token_id
     ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-    lab = torch.tensor([l + [-100] * (width - len(l)) for l in labels])
+    lab = torch.tensor([lbl + [-100] * (width - len(lbl)) for lbl in labels])
     return ids, mask, lab
 
 

@@ -20,11 +20,21 @@ BS = 16
 
 
 def rank_meta(engine_id: str = "eng") -> RankMetadata:
-    return RankMetadata(engine_id=engine_id, tp_rank=0, tp_size=1, layout_kind="vllm_cpu",
-                        block_size=BS, num_blocks=64, num_kv_heads=2, head_size=32,
-                        dtype="float32", num_layers=2, model="tiny-copy",
-                        compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
-                        endpoint=TransportEndpoint("shm", "x", 1 << 20))
+    return RankMetadata(
+        engine_id=engine_id,
+        tp_rank=0,
+        tp_size=1,
+        layout_kind="vllm_cpu",
+        block_size=BS,
+        num_blocks=64,
+        num_kv_heads=2,
+        head_size=32,
+        dtype="float32",
+        num_layers=2,
+        model="tiny-copy",
+        compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
+        endpoint=TransportEndpoint("shm", "x", 1 << 20),
+    )
 
 
 @pytest.fixture
@@ -77,8 +87,9 @@ def test_prefill_stages_whole_prompt_and_returns_params(prefill):
     assert free_blocks(prefill) == free_before
     assert pool.has("p1")
     # The decode releases it over the real side channel.
-    side_channel.call(params["remote_host"], params["remote_port"], ReleaseRequest(["p1"]),
-                      None, 5.0)
+    side_channel.call(
+        params["remote_host"], params["remote_port"], ReleaseRequest(["p1"]), None, 5.0
+    )
     assert not pool.has("p1") and pool.pages_in_use == 0
 
 
@@ -127,8 +138,7 @@ def test_lease_expires_without_release():
 
 def test_full_pool_falls_back_to_decode_prefill():
     # One page of 16 KiB holds 16 tokens x 2 layers at this geometry (8 KiB per block).
-    sched = make_scheduler("kv_producer", BS,
-                           {"staging_bytes": 16384, "staging_page_bytes": 16384})
+    sched = make_scheduler("kv_producer", BS, {"staging_bytes": 16384, "staging_page_bytes": 16384})
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     try:
         free_before = free_blocks(sched)
@@ -143,9 +153,17 @@ def test_full_pool_falls_back_to_decode_prefill():
 
 
 def remote_params(n: int) -> dict:
-    return {"do_remote_prefill": True, "remote_engine_id": "eng", "remote_host": "127.0.0.1",
-            "remote_port": 1, "remote_request_id": "p1", "num_tokens": n,
-            "staging_offset": 0, "staged_layout": "vllm_cpu", "staged_block_size": 128}
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "eng",
+        "remote_host": "127.0.0.1",
+        "remote_port": 1,
+        "remote_request_id": "p1",
+        "num_tokens": n,
+        "staging_offset": 0,
+        "staged_layout": "vllm_cpu",
+        "staged_block_size": 128,
+    }
 
 
 def test_decode_waits_for_remote_kv_then_runs(decode):

@@ -35,24 +35,37 @@ MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-copy")
 EOS = 2
 
 
-def make_vllm_config(role: str, block_size: int = 16, extra: dict[str, Any] | None = None,
-                     engine_id: str = "eng", max_batched: int = 1024) -> VllmConfig:
+def make_vllm_config(
+    role: str,
+    block_size: int = 16,
+    extra: dict[str, Any] | None = None,
+    engine_id: str = "eng",
+    max_batched: int = 1024,
+) -> VllmConfig:
     vllm_qaic_connector.register()
     return VllmConfig(
         model_config=ModelConfig(model=MODEL, max_model_len=1024, seed=0, dtype="float32"),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
-                                         max_model_len=1024, is_encoder_decoder=False),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=max_batched,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+        ),
         device_config=DeviceConfig("cpu"),
-        kv_transfer_config=KVTransferConfig(kv_connector="QAICConnector", kv_role=role,
-                                            engine_id=engine_id,
-                                            kv_connector_extra_config=extra or {}),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="QAICConnector",
+            kv_role=role,
+            engine_id=engine_id,
+            kv_connector_extra_config=extra or {},
+        ),
     )
 
 
 def make_kv_cache_config(block_size: int, num_blocks: int = 64) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32,
-                             dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
+    )
     layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     return KVCacheConfig(
         num_blocks=num_blocks,
@@ -61,26 +74,46 @@ def make_kv_cache_config(block_size: int, num_blocks: int = 64) -> KVCacheConfig
     )
 
 
-def make_scheduler(role: str, block_size: int = 16, extra: dict[str, Any] | None = None,
-                   num_blocks: int = 64, **kw: Any) -> Scheduler:
+def make_scheduler(
+    role: str,
+    block_size: int = 16,
+    extra: dict[str, Any] | None = None,
+    num_blocks: int = 64,
+    **kw: Any,
+) -> Scheduler:
     cfg = make_vllm_config(role, block_size, extra, **kw)
     cfg.cache_config.num_gpu_blocks = num_blocks
-    return Scheduler(cfg, make_kv_cache_config(block_size, num_blocks),
-                     StructuredOutputManager(cfg), block_size=block_size)
+    return Scheduler(
+        cfg,
+        make_kv_cache_config(block_size, num_blocks),
+        StructuredOutputManager(cfg),
+        block_size=block_size,
+    )
 
 
-def make_request(rid: str, num_tokens: int, params: dict[str, Any] | None = None,
-                 max_tokens: int = 1, block_size: int = 16, first: int = 5) -> Request:
+def make_request(
+    rid: str,
+    num_tokens: int,
+    params: dict[str, Any] | None = None,
+    max_tokens: int = 1,
+    block_size: int = 16,
+    first: int = 5,
+) -> Request:
     init_none_hash(sha256)
-    req = Request(rid, [first + (i % 200) for i in range(num_tokens)],
-                  SamplingParams(max_tokens=max_tokens, temperature=0.0), None,
-                  block_hasher=get_request_block_hasher(block_size, sha256))
+    req = Request(
+        rid,
+        [first + (i % 200) for i in range(num_tokens)],
+        SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        None,
+        block_hasher=get_request_block_hasher(block_size, sha256),
+    )
     req.kv_transfer_params = params
     return req
 
 
-def step(sched: Scheduler, connector_output: KVConnectorOutput | None = None,
-         token: int = 7) -> tuple[SchedulerOutput, dict[int, Any]]:
+def step(
+    sched: Scheduler, connector_output: KVConnectorOutput | None = None, token: int = 7
+) -> tuple[SchedulerOutput, dict[int, Any]]:
     """One scheduler step; every request whose prompt completes samples ``token``."""
     out = sched.schedule()
     req_ids = list(out.num_scheduled_tokens)
@@ -89,8 +122,10 @@ def step(sched: Scheduler, connector_output: KVConnectorOutput | None = None,
         req = sched.requests[rid]
         done = req.num_computed_tokens >= req.num_prompt_tokens
         sampled.append([token] if done else [])
-    runner = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in
-                                                                  enumerate(req_ids)},
-                               sampled_token_ids=sampled,
-                               kv_connector_output=connector_output)
+    runner = ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        kv_connector_output=connector_output,
+    )
     return out, sched.update_from_output(out, runner)

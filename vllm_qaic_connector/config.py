@@ -39,23 +39,18 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         }
         for key, value in positive.items():
             if value <= 0:
-                raise ValueError(f"kv_connector_extra_config.{key} must be > 0, got {value}")
+                raise ValueError(f"{key} must be > 0, got {value}")
         if self.staging_wait_s < 0:
-            raise ValueError("kv_connector_extra_config.staging_wait_s must be >= 0")
+            raise ValueError("staging_wait_s must be >= 0")
         if self.staging_bytes < self.staging_page_bytes:
             raise ValueError(
-                "kv_connector_extra_config.staging_bytes must hold at least one page "
+                "staging_bytes must hold at least one page "
                 f"({self.staging_bytes} < staging_page_bytes={self.staging_page_bytes})"
             )
         if not 0 <= self.side_channel_port < 65536:
-            raise ValueError(
-                f"kv_connector_extra_config.side_channel_port out of range: {self.side_channel_port}"
-            )
+            raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
         if self.kv_cache_prefix is not None and not PREFIX_RE.match(self.kv_cache_prefix):
-            raise ValueError(
-                "kv_connector_extra_config.kv_cache_prefix must be alphanumeric, "
-                f"got {self.kv_cache_prefix!r}"
-            )
+            raise ValueError(f"kv_cache_prefix must be alphanumeric, got {self.kv_cache_prefix!r}")
 
     @property
     def advertise_host(self) -> str:

@@ -64,8 +64,9 @@ class QAICConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are whole-request and asynchronous
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return None  # the whole prompt is staged in wait_for_save
 
     def wait_for_save(self) -> None:
@@ -106,12 +107,14 @@ class QAICConnector(KVConnectorBase_V1):
         ranks = [m.rank for m in metadata.values() if isinstance(m, QAICHandshakeMetadata)]
         self._s().set_rank_metadata(ranks)
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -120,8 +123,9 @@ class QAICConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._s().update_connector_output(connector_output.finished_recving)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._s().request_finished(request, block_ids)
 
     # --- stats -------------------------------------------------------------------------------
@@ -131,6 +135,11 @@ class QAICConnector(KVConnectorBase_V1):
         return QAICConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: Any, labelnames: Any,
-                           per_engine_labelvalues: Any) -> QAICPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: Any,
+        labelnames: Any,
+        per_engine_labelvalues: Any,
+    ) -> QAICPromMetrics:
         return QAICPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

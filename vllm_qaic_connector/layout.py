@@ -167,8 +167,9 @@ def plan_token_runs(
         dst_left = dst_block_size - d % dst_block_size
         n = min(src_left, dst_left, t1 - t)
         runs.append(
-            TokenRun(t // src_block_size, t % src_block_size, d // dst_block_size,
-                     d % dst_block_size, n)
+            TokenRun(
+                t // src_block_size, t % src_block_size, d // dst_block_size, d % dst_block_size, n
+            )
         )
         t += n
     return runs
@@ -221,10 +222,13 @@ def copy_tokens(
             written += len(runs) * nh * src_bs * s.shape[3] * s.element_size()
             continue
         for r in runs:
-            d[dst_blocks[r.dst_block], h.dst_start : h.dst_start + nh,
-              r.dst_offset : r.dst_offset + r.length].copy_(
-                s[src_blocks[r.src_block], h.start : h.stop,
-                  r.src_offset : r.src_offset + r.length])
+            d[
+                dst_blocks[r.dst_block],
+                h.dst_start : h.dst_start + nh,
+                r.dst_offset : r.dst_offset + r.length,
+            ].copy_(
+                s[src_blocks[r.src_block], h.start : h.stop, r.src_offset : r.src_offset + r.length]
+            )
             written += nh * r.length * s.shape[3] * s.element_size()
     return written
 

@@ -29,8 +29,11 @@ class Proxy:
         path = request.path
         body = await request.json()
         prefill_url, decode_url = next(self._prefills), next(self._decodes)
-        prefill_body = {**body, **PREFILL_OVERRIDES,
-                        "kv_transfer_params": {"do_remote_decode": True}}
+        prefill_body = {
+            **body,
+            **PREFILL_OVERRIDES,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         prefill_body.pop("stream_options", None)
         status, prefill = await self._post(prefill_url + path, prefill_body)
         if status != 200:

@@ -101,8 +101,11 @@ class SchedulerSide:
         )
         logger.info(
             "QAICConnector scheduler: engine %s, side channel %s:%d, staging %d pages x %d B",
-            self.engine_id, cfg.advertise_host, self._server.port,
-            self.pool.num_pages, self.pool.page_bytes,
+            self.engine_id,
+            cfg.advertise_host,
+            self._server.port,
+            self.pool.num_pages,
+            self.pool.page_bytes,
         )
 
     # --- side channel --------------------------------------------------------------------
@@ -182,19 +185,24 @@ class SchedulerSide:
                 continue
             del self._to_save[rid]
             num_tokens = req.num_prompt_tokens
-            nbytes = blocks_for_tokens(num_tokens, self.block_size) * self.bytes_per_block_all_layers
+            nbytes = (
+                blocks_for_tokens(num_tokens, self.block_size) * self.bytes_per_block_all_layers
+            )
             offset = self.pool.allocate(rid, nbytes)
             if offset is None:
                 logger.warning(
                     "QAICConnector: staging pool full (%d/%d pages); request %s will be "
-                    "prefilled again by its decode", self.pool.pages_in_use,
-                    self.pool.num_pages, rid,
+                    "prefilled again by its decode",
+                    self.pool.pages_in_use,
+                    self.pool.num_pages,
+                    rid,
                 )
                 continue
             assert self._kv_cache_manager is not None
             block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
-            spec = SaveSpec(rid, block_ids[: blocks_for_tokens(num_tokens, self.block_size)],
-                            num_tokens, offset)
+            spec = SaveSpec(
+                rid, block_ids[: blocks_for_tokens(num_tokens, self.block_size)], num_tokens, offset
+            )
             self._staged[rid] = spec
             saves.append(spec)
         return saves
@@ -225,8 +233,10 @@ class SchedulerSide:
         spec = self._staged.pop(rid, None)
         if spec is None:
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED,
-                                  RequestStatus.FINISHED_STOPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
             self.pool.release(rid)  # aborted: nobody will come for it
             return False, None
         if not self._ranks:

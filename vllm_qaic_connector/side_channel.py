@@ -51,7 +51,7 @@ class SideChannelServer:
 
 def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float) -> Message:
     """One request/reply round trip. Raises ConnectionError on timeout or an error reply."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
@@ -61,7 +61,9 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
         sock.send(encode_message(msg, key))
         reply = decode_message(sock.recv(), key)
     except zmq.Again:
-        raise ConnectionError(f"side channel {host}:{port} did not answer in {timeout_s}s") from None
+        raise ConnectionError(f"side channel {host}:{port} silent for {timeout_s}s") from None
+    except ValueError as exc:  # unauthenticated or malformed reply
+        raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
     finally:
         sock.close(0)
     if isinstance(reply, ErrorReply):

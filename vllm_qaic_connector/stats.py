@@ -47,7 +47,7 @@ class QAICPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {}
+        self._counters: dict[str, dict[int, Any]] = {}
         for name, doc in COUNTERS.items():
             counter = self._counter_cls(
                 name=f"vllm:qaic_kv_{name}", documentation=doc, labelnames=labelnames

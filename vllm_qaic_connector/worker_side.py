@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -58,19 +59,26 @@ class LoadResult:
 
 
 def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
-    """Names the physical layout of a registered KV cache tensor from its shape."""
+    """Names the physical layout of a registered KV cache tensor; refuses to guess."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         return get_layout("vllm_cpu")
-    from vllm.v1.attention.backends.utils import get_kv_cache_layout
-
-    kind = "cuda_hnd" if get_kv_cache_layout() == "HND" else "cuda_nhd"
-    layout = get_layout(kind)
-    expected = layout.physical_shape(tensor.shape[1], geo)
-    if tuple(tensor.shape) != expected:
-        raise RuntimeError(f"KV cache shape {tuple(tensor.shape)} is not {kind} {expected}")
-    return layout
+    shape = tuple(tensor.shape)
+    matches = [
+        layout
+        for layout in (get_layout("cuda_nhd"), get_layout("cuda_hnd"))
+        if layout.physical_shape(shape[1] if len(shape) > 1 else 0, geo) == shape
+    ]
+    hint = os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper()
+    if len(matches) == 2 and hint in ("NHD", "HND"):
+        matches = [get_layout("cuda_" + hint.lower())]
+    if len(matches) != 1:
+        raise RuntimeError(
+            f"cannot tell the layout of a KV cache shaped {shape} (block {geo.block_size}, "
+            f"{geo.num_heads} heads); set VLLM_KV_CACHE_LAYOUT=NHD or HND"
+        )
+    return matches[0]
 
 
 class WorkerSide:
@@ -117,8 +125,9 @@ class WorkerSide:
         if self.layout.kind == "vllm_cpu" and self.cfg.verify_cpu_layout:
             from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
 
-            verify_vllm_cpu_layout(self.geometry.block_size, self.geometry.head_size,
-                                   self.geometry.dtype)
+            verify_vllm_cpu_layout(
+                self.geometry.block_size, self.geometry.head_size, self.geometry.dtype
+            )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
         name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}"
         self.transport = create_transport(self.cfg.transport, name, self.cfg.staging_bytes)
@@ -133,20 +142,27 @@ class WorkerSide:
             tp_size=self.tp_size,
             layout_kind=self.layout.kind,
             block_size=self.geometry.block_size,
-            num_blocks=tensors[0].shape[0] if self.layout.kind == "vllm_cpu"
+            num_blocks=tensors[0].shape[0]
+            if self.layout.kind == "vllm_cpu"
             else tensors[0].shape[1],
             num_kv_heads=total_heads,
             head_size=self.geometry.head_size,
             dtype=dtype,
             num_layers=len(tensors),
             model=model,
-            compat_hash=compat_hash(model, dtype, len(tensors), total_heads,
-                                    self.geometry.head_size),
+            compat_hash=compat_hash(
+                model, dtype, len(tensors), total_heads, self.geometry.head_size
+            ),
             endpoint=self.transport.endpoint(),
         )
-        logger.info("QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
-                    self.tp_rank, self.layout.kind, len(tensors), self.geometry.block_size,
-                    self.cfg.transport)
+        logger.info(
+            "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
+            self.tp_rank,
+            self.layout.kind,
+            len(tensors),
+            self.geometry.block_size,
+            self.cfg.transport,
+        )
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
@@ -195,8 +211,13 @@ class WorkerSide:
             ranks = self._peers.get(engine_id)
         if ranks is not None:
             return ranks
-        reply = side_channel.call(host, port, HandshakeRequest(PROTOCOL_VERSION, self.engine_id),
-                                  self.cfg.shared_key, self.cfg.handshake_timeout_s)
+        reply = side_channel.call(
+            host,
+            port,
+            HandshakeRequest(PROTOCOL_VERSION, self.engine_id),
+            self.cfg.shared_key,
+            self.cfg.handshake_timeout_s,
+        )
         if not isinstance(reply, HandshakeReply) or not reply.ranks:
             raise ConnectionError(f"bad handshake reply from {host}:{port}")
         assert self.rank_meta is not None
@@ -205,22 +226,29 @@ class WorkerSide:
             raise ConnectionError(f"incompatible peer: {problem}")
         if reply.ranks[0].engine_id != engine_id:
             raise ConnectionError(
-                f"{host}:{port} is engine {reply.ranks[0].engine_id!r}, not {engine_id!r}")
+                f"{host}:{port} is engine {reply.ranks[0].engine_id!r}, not {engine_id!r}"
+            )
         if len(reply.ranks) != self.tp_size:
             raise ConnectionError(
                 f"peer {engine_id!r} has TP {len(reply.ranks)}, we have {self.tp_size}; "
-                "heterogeneous TP is not supported yet")
+                "heterogeneous TP is not supported yet"
+            )
         with self._peer_lock:
             self._peers[engine_id] = reply.ranks
-        logger.info("QAICConnector: handshake with %s (%s, block %d) done", engine_id,
-                    reply.ranks[0].layout_kind, reply.ranks[0].block_size)
+        logger.info(
+            "QAICConnector: handshake with %s (%s, block %d) done",
+            engine_id,
+            reply.ranks[0].layout_kind,
+            reply.ranks[0].block_size,
+        )
         return reply.ranks
 
     def _load_guarded(self, spec: LoadSpec) -> None:
         try:
             copied = self._load(spec)
-            self._results.put(LoadResult(spec.request_id, frozenset(),
-                                         self._num_load_tokens(spec), copied))
+            self._results.put(
+                LoadResult(spec.request_id, frozenset(), self._num_load_tokens(spec), copied)
+            )
         except Exception as exc:
             logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
             self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0))
@@ -246,8 +274,12 @@ class WorkerSide:
         src_rank = ranks[self.tp_rank]
         fmt = StagingFormat(
             remote.staged_layout,
-            KVGeometry(self.geometry.num_heads, src_rank.head_size, remote.staged_block_size,
-                       self.geometry.dtype),
+            KVGeometry(
+                self.geometry.num_heads,
+                src_rank.head_size,
+                remote.staged_block_size,
+                self.geometry.dtype,
+            ),
             src_rank.num_layers,
         )
         nbytes = fmt.request_bytes(remote.num_tokens)
@@ -255,10 +287,12 @@ class WorkerSide:
         try:
             src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
             copied = 0
-            for src, dst in zip(fmt.layer_views(region, remote.num_tokens), self.layers,
-                                strict=True):
-                copied += copy_tokens(src, src_blocks, dst, spec.block_ids,
-                                      spec.first_token, remote.num_tokens)
+            for src, dst in zip(
+                fmt.layer_views(region, remote.num_tokens), self.layers, strict=True
+            ):
+                copied += copy_tokens(
+                    src, src_blocks, dst, spec.block_ids, spec.first_token, remote.num_tokens
+                )
                 if self.cfg.debug_corrupt_loaded_kv:
                     self._corrupt(dst, spec)
         finally:
@@ -275,12 +309,19 @@ class WorkerSide:
         if spec.remote is None:
             return
         try:
-            side_channel.call(spec.remote.remote_host, spec.remote.remote_port,
-                              ReleaseRequest([spec.remote.remote_request_id]),
-                              self.cfg.shared_key, self.cfg.handshake_timeout_s)
+            side_channel.call(
+                spec.remote.remote_host,
+                spec.remote.remote_port,
+                ReleaseRequest([spec.remote.remote_request_id]),
+                self.cfg.shared_key,
+                self.cfg.handshake_timeout_s,
+            )
         except ConnectionError as exc:
-            logger.warning("QAICConnector: could not release staging of %s (lease will expire): "
-                           "%s", spec.remote.remote_request_id, exc)
+            logger.warning(
+                "QAICConnector: could not release staging of %s (lease will expire): %s",
+                spec.remote.remote_request_id,
+                exc,
+            )
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()

@@ -6,6 +6,7 @@ the one into the decode's KV blocks.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 
@@ -48,15 +49,12 @@ class SharedSegment:
         if self._map.closed:
             return
         del self.tensor
-        try:
+        # A live view may still exist; then the mapping goes with the process.
+        with contextlib.suppress(BufferError):
             self._map.close()
-        except BufferError:
-            pass  # a live view still exists; the mapping goes with the process
         if self._owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
-            except FileNotFoundError:
-                pass
 
 
 class ShmTransport(KVTransport):

@@ -1,0 +1,24 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv when needed.
+SHELL := /bin/bash
+PY := .venv/bin/python
+
+.PHONY: setup demo test lint unit clean
+
+setup:
+	@bash scripts/setup_env.sh
+
+demo: setup
+	bash scripts/run_accuracy_test.sh
+
+lint: setup
+	$(PY) -m ruff check vllm_qaic_connector tests scripts
+	$(PY) -m mypy
+
+unit: setup
+	$(PY) -m pytest -q tests --ignore=tests/test_accuracy_harness.py
+
+test: setup lint
+	$(PY) -m pytest -v -rA tests
+
+clean:
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis

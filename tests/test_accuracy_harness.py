@@ -1,0 +1,81 @@
+"""The real thing: `scripts/run_accuracy_test.sh` with two `vllm serve` processes.
+
+Each case starts three vLLM servers (prefill, decode, aggregated), so they run in eager
+mode and with few prompts where the point is a layout path rather than concurrency.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAST = re.compile(
+    r"^accuracy: disagg=(\S+) aggregated=(\S+) agreement=(\S+)% prompts=(\d+) "
+    r"transport=(\S+)$"
+)
+
+
+def harness(**env: str) -> tuple[int, str]:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_accuracy_test.sh")],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        stdin=subprocess.DEVNULL,
+    )
+    out = proc.stdout + proc.stderr
+    print(out[-4000:])
+    return proc.returncode, out
+
+
+def last_line(out: str) -> re.Match:
+    lines = [ln for ln in out.splitlines() if ln.startswith("accuracy:")]
+    assert lines, "no accuracy line"
+    m = LAST.match(lines[-1])
+    assert m, lines[-1]
+    return m
+
+
+def shm_leftovers() -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith("qaic_kv_")]
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
+        {
+            "NUM_PROMPTS": "24",
+            "CONCURRENCY": "8",
+            "PREFILL_BLOCK_SIZE": "32",
+            "DECODE_BLOCK_SIZE": "128",
+        },
+    ],
+    ids=["default-64x8", "prefill32-decode128"],
+)
+def test_disaggregated_matches_aggregated(env):
+    rc, out = harness(**env)
+    m = last_line(out)
+    assert rc == 0, "harness gates failed"
+    assert float(m.group(1)) >= 0.95 and float(m.group(3)) == 100.0
+    assert m.group(4) == env["NUM_PROMPTS"]
+    assert shm_leftovers() == []
+
+
+def test_negative_control_fails_loudly():
+    rc, out = harness(NEGATIVE_CONTROL="1", NUM_PROMPTS="16", CONCURRENCY="8")
+    assert rc != 0
+    assert "corrupted KV was detected" in out
+    assert float(last_line(out).group(1)) < 0.3  # zeroed KV: the model cannot answer
+    assert shm_leftovers() == []
+
+
+def test_unsupported_combination_exits_with_one_line_reason():
+    rc, out = harness(DECODE_TARGET="qaic", NUM_PROMPTS="1")
+    assert rc != 0 and "unsupported:" in out

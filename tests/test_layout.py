@@ -1,0 +1,175 @@
+"""Layouts, canonical views and the copy primitive, against a plain reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_qaic_connector.layout import (
+    LAYOUTS,
+    HeadRange,
+    KVGeometry,
+    StagingFormat,
+    blocks_for_tokens,
+    copy_tokens,
+    gather_tokens,
+    get_layout,
+    plan_token_runs,
+)
+from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op
+
+HEADS, HEAD = 2, 32
+
+
+def geo(bs: int, heads: int = HEADS, dtype: torch.dtype = torch.float32) -> KVGeometry:
+    return KVGeometry(num_heads=heads, head_size=HEAD, block_size=bs, dtype=dtype)
+
+
+def filled(kind: str, bs: int, num_blocks: int, heads: int = HEADS, seed: int = 0):
+    g = geo(bs, heads)
+    layer = get_layout(kind).allocate(num_blocks, g)
+    layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(seed)))
+    return layer, g
+
+
+@pytest.mark.parametrize("bs", [16, 32, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_view_reads_what_vllm_cache_op_wrote(bs, dtype):
+    verify_vllm_cpu_layout(bs, HEAD, dtype)  # raises on mismatch
+    layout, g = get_layout("vllm_cpu"), geo(bs, dtype=dtype)
+    n = 2 * bs + 5
+    layer = layout.allocate(4, g)
+    key = torch.randn(n, HEADS, HEAD).to(dtype)
+    value = torch.randn(n, HEADS, HEAD).to(dtype)
+    blocks = [3, 1, 0]
+    slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(n)])
+    write_with_vllm_op(layer, key, value, slots)
+    k, v = gather_tokens(layout.kv_views(layer, g), blocks, n)
+    assert torch.equal(k, key.transpose(0, 1)) and torch.equal(v, value.transpose(0, 1))
+
+
+def test_cpu_view_rejects_natural_k_reading():
+    # The naive reading (K stored like V) must NOT match what vLLM wrote: the probe
+    # has teeth.
+    bs, layout, g = 32, get_layout("vllm_cpu"), geo(32)
+    layer = layout.allocate(1, g)
+    key = torch.randn(bs, HEADS, HEAD)
+    write_with_vllm_op(layer, key, -key, torch.arange(bs))
+    naive_k = layer.view(1, HEADS, 2 * bs, HEAD)[0, :, :bs, :]
+    assert not torch.equal(naive_k, key.transpose(0, 1))
+
+
+@pytest.mark.parametrize("kind", ["cuda_nhd", "cuda_hnd"])
+def test_cuda_views_index_the_documented_shape(kind):
+    layer, g = filled(kind, 16, 3)
+    k, v = get_layout(kind).kv_views(layer, g)
+    b, h, t = 2, 1, 5
+    if kind == "cuda_nhd":  # [2, nb, B, H, D]
+        assert torch.equal(k[b, h, t], layer[0, b, t, h]) and torch.equal(
+            v[b, h, t], layer[1, b, t, h]
+        )
+    else:  # [2, nb, H, B, D]
+        assert torch.equal(k[b, h, t], layer[0, b, h, t]) and torch.equal(
+            v[b, h, t], layer[1, b, h, t]
+        )
+    assert k.data_ptr() == layer.data_ptr()  # a view, not a copy
+
+
+@given(
+    t0=st.integers(0, 300),
+    n=st.integers(0, 300),
+    s=st.sampled_from([16, 32, 64, 128, 512]),
+    d=st.sampled_from([16, 32, 64, 128, 512]),
+)
+def test_runs_tile_the_range_without_crossing_blocks(t0, n, s, d):
+    runs = plan_token_runs(t0, t0 + n, s, d)
+    assert sum(r.length for r in runs) == n
+    pos = t0
+    for r in runs:
+        assert r.src_block * s + r.src_offset == pos == r.dst_block * d + r.dst_offset
+        assert r.src_offset + r.length <= s and r.dst_offset + r.length <= d
+        pos += r.length
+
+
+BLOCKS = [16, 32, 64, 128, 512]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    src_kind=st.sampled_from(sorted(LAYOUTS)),
+    dst_kind=st.sampled_from(sorted(LAYOUTS)),
+    sb=st.sampled_from(BLOCKS),
+    db=st.sampled_from(BLOCKS),
+    n=st.integers(1, 520),
+    skip=st.integers(0, 3),
+    data=st.data(),
+)
+def test_copy_matches_reference_for_every_layout_and_block_pair(
+    src_kind, dst_kind, sb, db, n, skip, data
+):
+    src_nb, dst_nb = blocks_for_tokens(n, sb), blocks_for_tokens(n, db)
+    src_layer, sg = filled(src_kind, sb, src_nb + 1, seed=1)
+    dst_layer, dg = filled(dst_kind, db, dst_nb + 2, seed=2)
+    src_blocks = data.draw(st.permutations(range(src_nb + 1)))[:src_nb]
+    dst_blocks = data.draw(st.permutations(range(dst_nb + 2)))[:dst_nb]
+    t0 = min(n, skip * db)  # a decode-side prefix hit covers whole blocks
+    src_views = get_layout(src_kind).kv_views(src_layer, sg)
+    dst_views = get_layout(dst_kind).kv_views(dst_layer, dg)
+    before = gather_tokens(dst_views, dst_blocks, n)
+    untouched = set(range(dst_nb + 2)) - set(dst_blocks)
+    other_before = {b: (dst_views[0][b].clone(), dst_views[1][b].clone()) for b in untouched}
+    copy_tokens(src_views, src_blocks, dst_views, dst_blocks, t0, n)
+    got = gather_tokens(dst_views, dst_blocks, n)
+    want = gather_tokens(src_views, src_blocks, n)
+    for g_, w_, b_ in zip(got, want, before, strict=False):
+        assert torch.equal(g_[:, t0:], w_[:, t0:])
+        assert torch.equal(g_[:, :t0], b_[:, :t0])  # the prefix is left alone
+    for b, (k, v) in other_before.items():
+        assert torch.equal(dst_views[0][b], k) and torch.equal(dst_views[1][b], v)
+
+
+@pytest.mark.parametrize("heads", [HeadRange(0, 1, 0), HeadRange(1, 2, 0), HeadRange(2, 4, 1)])
+def test_head_ranges_select_and_place_heads(heads):
+    src_layer, sg = filled("cuda_nhd", 16, 2, heads=4)
+    dst_layer, dg = filled("vllm_cpu", 32, 1, heads=3, seed=5)
+    sv, dv = (
+        get_layout("cuda_nhd").kv_views(src_layer, sg),
+        get_layout("vllm_cpu").kv_views(dst_layer, dg),
+    )
+    copy_tokens(sv, [1, 0], dv, [0], 0, 20, heads)
+    want, got = gather_tokens(sv, [1, 0], 20), gather_tokens(dv, [0], 20)
+    nh = heads.stop - heads.start
+    for w, g_ in zip(want, got, strict=False):
+        assert torch.equal(g_[heads.dst_start : heads.dst_start + nh], w[heads.start : heads.stop])
+
+
+def test_head_range_that_does_not_fit_is_refused():
+    src_layer, sg = filled("cuda_nhd", 16, 1, heads=4)
+    dst_layer, dg = filled("cuda_nhd", 16, 1, heads=2)
+    with pytest.raises(ValueError, match="head range"):
+        copy_tokens(
+            get_layout("cuda_nhd").kv_views(src_layer, sg),
+            [0],
+            get_layout("cuda_nhd").kv_views(dst_layer, dg),
+            [0],
+            0,
+            4,
+            HeadRange(0, 4),
+        )
+
+
+def test_staging_format_round_trip_through_flat_bytes():
+    fmt = StagingFormat("vllm_cpu", geo(32), num_layers=2)
+    region = torch.zeros(fmt.request_bytes(70), dtype=torch.uint8)
+    views = fmt.layer_views(region, 70)
+    assert len(views) == 2 and views[0][0].shape == (3, HEADS, 32, HEAD)
+    views[1][1][2, 1, 5, 7] = 3.5  # layer 1, V, block 2
+    again = fmt.layer_views(region, 70)
+    assert again[1][1][2, 1, 5, 7] == 3.5 and region.view(torch.float32).count_nonzero() == 1
+
+
+def test_unknown_layout_is_named():
+    with pytest.raises(ValueError, match="unknown KV layout 'bogus'"):
+        get_layout("bogus")

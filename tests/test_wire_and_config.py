@@ -1,0 +1,160 @@
+"""Handshake encoding/validation, kv_transfer_params parsing, config validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.side_channel import SideChannelServer, call
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    Ok,
+    RankMetadata,
+    ReleaseRequest,
+    TransportEndpoint,
+    compat_hash,
+    decode_message,
+    encode_message,
+    incompatibility,
+    parse_remote_prefill,
+)
+
+
+def meta(**over) -> RankMetadata:
+    base = dict(
+        engine_id="p",
+        tp_rank=0,
+        tp_size=1,
+        layout_kind="vllm_cpu",
+        block_size=128,
+        num_blocks=10,
+        num_kv_heads=2,
+        head_size=32,
+        dtype="float32",
+        num_layers=2,
+        model="tiny-copy",
+        compat_hash="",
+        endpoint=TransportEndpoint("shm", "seg", 4096),
+    )
+    base.update(over)
+    base["compat_hash"] = compat_hash(
+        base["model"], base["dtype"], base["num_layers"], base["num_kv_heads"], base["head_size"]
+    )
+    return RankMetadata(**base)
+
+
+def test_handshake_round_trip_with_and_without_key():
+    reply = HandshakeReply(PROTOCOL_VERSION, [meta(), meta(tp_rank=1)])
+    for key in (None, b"secret"):
+        assert decode_message(encode_message(reply, key), key) == reply
+
+
+def test_wrong_key_is_refused():
+    frame = encode_message(ReleaseRequest(["r"]), b"right")
+    with pytest.raises(ValueError, match="authentication"):
+        decode_message(frame, b"wrong")
+
+
+def test_garbage_is_a_clear_error():
+    with pytest.raises(ValueError, match="malformed side-channel message"):
+        decode_message(b"\0" * 32 + b"\x93garbage", None)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model", "other"),
+        ("dtype", "bfloat16"),
+        ("head_size", 64),
+        ("num_layers", 3),
+        ("num_kv_heads", 8),
+    ],
+)
+def test_incompatible_peer_names_the_field(field, value):
+    problem = incompatibility(meta(), meta(**{field: value}))
+    assert problem is not None and f"differs in {field}" in problem
+
+
+def test_negotiated_fields_stay_out_of_the_hash():
+    other = meta(block_size=16, layout_kind="cuda_hnd", tp_size=2, tp_rank=1)
+    assert incompatibility(meta(), other) is None
+
+
+def good_params() -> dict:
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5555,
+        "remote_request_id": "r1",
+        "num_tokens": 100,
+        "staging_offset": 0,
+        "staged_layout": "vllm_cpu",
+        "staged_block_size": 128,
+        "extra_field_from_a_newer_proxy": 1,
+    }
+
+
+def test_remote_prefill_params_parse():
+    assert parse_remote_prefill(good_params()).num_tokens == 100
+
+
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("remote_port", "not-a-port", "remote_port"),
+        ("num_tokens", -3, "num_tokens"),
+        ("remote_host", None, "remote_host"),
+    ],
+)
+def test_malformed_params_name_the_field(field, value, msg):
+    params = good_params()
+    params[field] = value
+    with pytest.raises(ValueError, match=msg):
+        parse_remote_prefill(params)
+
+
+def test_missing_param_is_named():
+    params = good_params()
+    del params["remote_engine_id"]
+    with pytest.raises(ValueError, match="remote_engine_id"):
+        parse_remote_prefill(params)
+
+
+def test_config_defaults_and_errors():
+    assert parse_config(None).transport == "shm"
+    with pytest.raises(ValueError, match="staging_byte"):
+        parse_config({"staging_byte": 1})  # a typo is named
+    with pytest.raises(ValueError, match="transport"):
+        parse_config({"transport": "rdma"})
+    with pytest.raises(ValueError, match="staging_page_bytes"):
+        parse_config({"staging_page_bytes": 0})
+    with pytest.raises(ValueError, match="kv_cache_prefix"):
+        parse_config({"kv_cache_prefix": "bad-prefix"})
+    with pytest.raises(ValueError, match="staging_bytes"):
+        parse_config({"staging_bytes": "lots"})
+
+
+def test_side_channel_serves_and_authenticates():
+    seen = []
+
+    def handler(msg):
+        seen.append(msg)
+        return Ok()
+
+    server = SideChannelServer("127.0.0.1", 0, handler, b"k")
+    try:
+        assert call("127.0.0.1", server.port, ReleaseRequest(["a"]), b"k", 5.0) == Ok()
+        assert seen == [ReleaseRequest(["a"])]
+        with pytest.raises(ConnectionError):  # the server cannot answer a wrong key
+            call("127.0.0.1", server.port, HandshakeRequest(1, "x"), b"bad", 1.0)
+        assert len(seen) == 1
+    finally:
+        server.close()
+
+
+def test_side_channel_peer_down_times_out():
+    with pytest.raises(ConnectionError, match="silent"):
+        call("127.0.0.1", 1, HandshakeRequest(1, "x"), None, 0.3)
