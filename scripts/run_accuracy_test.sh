@@ -57,6 +57,10 @@ trap 'exit 130' INT TERM
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
+D_KV_PORT=$(free_port)
+# STAGE_AT=prefill: the proxy names the decode, so the prefill stages in its layout.
+# STAGE_AT=decode: the prefill stages in its own layout and the decode converts.
+STAGE_AT=${STAGE_AT:-prefill}
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONUNBUFFERED=1
 
@@ -79,17 +83,19 @@ serve() {  # name core port block_size kv_transfer_config(or empty)
   PIDS+=($!)
 }
 
-ktc() {  # role engine_id
-  echo "{\"kv_connector\":\"QAICConnector\",\"kv_role\":\"$1\",\"engine_id\":\"$2\",\"kv_load_failure_policy\":\"fail\",\"kv_connector_extra_config\":{\"transport\":\"$KV_TRANSPORT\"$DEBUG_KEY}}"
+ktc() {  # role engine_id side_channel_port
+  echo "{\"kv_connector\":\"QAICConnector\",\"kv_role\":\"$1\",\"engine_id\":\"$2\",\"kv_load_failure_policy\":\"fail\",\"kv_connector_extra_config\":{\"transport\":\"$KV_TRANSPORT\",\"side_channel_port\":$3$DEBUG_KEY}}"
 }
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
-     "blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
-serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p")"
-serve decode 1 "$D_PORT" "$DECODE_BLOCK_SIZE" "$(ktc kv_consumer "${RUN_ID}d")"
+     "blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)"
+serve decode 1 "$D_PORT" "$DECODE_BLOCK_SIZE" "$(ktc kv_consumer "${RUN_ID}d" "$D_KV_PORT")"
+DECODE_KV_ARGS=()
+[ "$STAGE_AT" = prefill ] && DECODE_KV_ARGS=(--decode-kv "127.0.0.1:$D_KV_PORT")
 serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" ""
 setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" \
-  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" >"$RUN_DIR/proxy.log" 2>&1 &
+  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" "${DECODE_KV_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
 wait_ready() {  # name port

@@ -218,3 +218,64 @@ def test_decode_abort_after_load_frees_everything(decode):
     step(decode)
     decode.finish_requests("z1", RequestStatus.FINISHED_ABORTED)
     assert free_blocks(decode) == free_before
+
+
+def test_prefill_stages_in_the_named_decodes_format(decode):
+    """The proxy names the decode; the prefill handshakes with it (without blocking the
+    engine) and stages in the decode's layout and block size."""
+    dec_side = decode.connector.scheduler
+    dec_meta = msgspec_replace(rank_meta("dec"), block_size=64, layout_kind="cuda_hnd")
+    dec_side.set_rank_metadata([dec_meta])
+    sched = make_scheduler("kv_producer", BS)
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        port = dec_side._server.port
+        sched.add_request(
+            make_request(
+                "t1",
+                70,
+                {"do_remote_decode": True, "decode_host": "127.0.0.1", "decode_port": port},
+            )
+        )
+        spec = None
+        for _ in range(200):  # the request waits for the handshake, then runs
+            out, outputs = step(sched)
+            if meta(out).saves:
+                spec = meta(out).saves[0]
+                break
+        assert spec is not None
+        assert (spec.layout_kind, spec.block_size) == ("cuda_hnd", 64)
+        assert len(spec.block_ids) == 5  # the prefill's own 16-token blocks
+        params = params_of(outputs, "t1")
+        assert params["staged_layout"] == "cuda_hnd" and params["staged_block_size"] == 64
+    finally:
+        sched.connector.shutdown()
+
+
+def test_unreachable_decode_falls_back_to_own_format():
+    sched = make_scheduler("kv_producer", BS, {"handshake_timeout_s": 0.3})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(
+            make_request(
+                "u1", 40, {"do_remote_decode": True, "decode_host": "127.0.0.1", "decode_port": 1}
+            )
+        )
+        spec = None
+        for _ in range(400):
+            out, _ = step(sched)
+            if meta(out).saves:
+                spec = meta(out).saves[0]
+                break
+            import time
+
+            time.sleep(0.01)
+        assert spec is not None and (spec.layout_kind, spec.block_size) == ("vllm_cpu", BS)
+    finally:
+        sched.connector.shutdown()
+
+
+def msgspec_replace(struct, **changes):
+    import msgspec
+
+    return msgspec.structs.replace(struct, **changes)

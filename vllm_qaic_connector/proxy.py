@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -15,9 +16,15 @@ PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_toke
 
 
 class Proxy:
-    def __init__(self, prefills: list[str], decodes: list[str]) -> None:
+    def __init__(
+        self, prefills: list[str], decodes: list[str], decode_kv: list[str] | None = None
+    ) -> None:
         self._prefills = itertools.cycle(prefills)
-        self._decodes = itertools.cycle(decodes)
+        # Each decode optionally paired with its side channel, so the prefill can stage
+        # straight into that decode's layout.
+        self._decodes: Iterator[tuple[str, str]] = itertools.cycle(
+            list(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
+        )
         self._session: aiohttp.ClientSession | None = None
 
     async def _post(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -28,20 +35,20 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.Response:
         path = request.path
         body = await request.json()
-        prefill_url, decode_url = next(self._prefills), next(self._decodes)
-        prefill_body = {
-            **body,
-            **PREFILL_OVERRIDES,
-            "kv_transfer_params": {"do_remote_decode": True},
-        }
+        prefill_url, (decode_url, decode_kv) = next(self._prefills), next(self._decodes)
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if decode_kv:
+            host, port = decode_kv.rsplit(":", 1)
+            params.update(decode_host=host, decode_port=int(port))
+        prefill_body = {**body, **PREFILL_OVERRIDES, "kv_transfer_params": params}
         prefill_body.pop("stream_options", None)
         status, prefill = await self._post(prefill_url + path, prefill_body)
         if status != 200:
             return web.json_response(prefill, status=status)
-        params = prefill.get("kv_transfer_params")
+        returned = prefill.get("kv_transfer_params")
         decode_body = dict(body)
-        if params:
-            decode_body["kv_transfer_params"] = params
+        if returned:
+            decode_body["kv_transfer_params"] = returned
         status, decoded = await self._post(decode_url + path, decode_body)
         return web.json_response(decoded, status=status)
 
@@ -69,10 +76,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prefill", nargs="+", required=True, help="prefill base URLs")
     parser.add_argument("--decode", nargs="+", required=True, help="decode base URLs")
+    parser.add_argument(
+        "--decode-kv",
+        nargs="+",
+        default=None,
+        help="HOST:PORT of each decode's side channel (its side_channel_port), "
+        "so prefills stage in the decode's layout",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
-    proxy = Proxy([u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode])
+    if args.decode_kv and len(args.decode_kv) != len(args.decode):
+        parser.error("--decode-kv needs one HOST:PORT per --decode URL")
+    proxy = Proxy(
+        [u.rstrip("/") for u in args.prefill], [u.rstrip("/") for u in args.decode], args.decode_kv
+    )
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
 
 

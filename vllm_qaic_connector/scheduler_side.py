@@ -3,6 +3,7 @@ and the side-channel listener. It holds no tensors, layouts or transports."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
 from vllm_qaic_connector.wire import (
@@ -40,12 +42,15 @@ logger = init_logger(__name__)
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Stage tokens ``[0, num_tokens)`` held in ``block_ids`` at ``staging_offset``."""
+    """Stage tokens ``[0, num_tokens)`` held in ``block_ids`` at ``staging_offset``, laid out
+    as ``layout_kind`` blocks of ``block_size`` tokens (the decode's, when it is known)."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
     staging_offset: int
+    layout_kind: str
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -66,11 +71,12 @@ class QAICConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
-@dataclass
-class _PendingLoad:
-    first_token: int
-    remote: RemotePrefill | None
-    error: str | None
+@dataclass(frozen=True)
+class StagingTarget:
+    """The physical format a request is staged in."""
+
+    layout_kind: str
+    block_size: int
 
 
 class SchedulerSide:
@@ -96,6 +102,9 @@ class SchedulerSide:
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
+        self._targets: dict[str, StagingTarget | None] = {}  # None: stage in our own format
+        self._waiting_since: dict[str, float] = {}
+        self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
         )
@@ -112,6 +121,7 @@ class SchedulerSide:
 
     def set_rank_metadata(self, ranks: list[RankMetadata]) -> None:
         self._ranks = sorted(ranks, key=lambda r: r.tp_rank)
+        self.peers.ours = self._ranks[0] if self._ranks else None
 
     def _handle(self, msg: Message) -> Message:
         if isinstance(msg, HandshakeRequest):
@@ -131,8 +141,10 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.is_producer:
+            return self._resolve_decode_peer(request, params)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         remote: RemotePrefill | None = None
@@ -173,6 +185,48 @@ class SchedulerSide:
 
     # --- prefill side: saves --------------------------------------------------------------
 
+    def _resolve_decode_peer(
+        self, request: Request, params: dict[str, Any]
+    ) -> tuple[int | None, bool]:
+        """Learn the named decode's layout before the prompt runs. While the handshake is
+        pending the request waits (None), up to the handshake timeout; then it is staged
+        in our own format and the decode converts on receive."""
+        rid = request.request_id
+        if rid in self._targets:
+            return 0, False
+        host, port = params.get("decode_host"), params.get("decode_port")
+        if not isinstance(host, str) or not isinstance(port, int):
+            if host is not None or port is not None:
+                logger.error(
+                    "QAICConnector: request %s: malformed decode_host/decode_port "
+                    "in kv_transfer_params; staging in our own layout",
+                    rid,
+                )
+            self._targets[rid] = None
+            return 0, False
+        found = self.peers.poll(host, port)
+        if found is None:
+            started = self._waiting_since.setdefault(rid, time.monotonic())
+            if time.monotonic() - started < self.cfg.handshake_timeout_s:
+                return None, False
+            found = f"handshake with {host}:{port} timed out"
+        self._waiting_since.pop(rid, None)
+        if isinstance(found, str):
+            logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
+            self._targets[rid] = None
+        elif len(found) != len(self._ranks):
+            # Head shards differ: stage in our format, the decode regroups heads.
+            self._targets[rid] = None
+        else:
+            self._targets[rid] = StagingTarget(found[0].layout_kind, found[0].block_size)
+        return 0, False
+
+    def _target_of(self, rid: str) -> StagingTarget:
+        target = self._targets.pop(rid, None)
+        if target is not None:
+            return target
+        return StagingTarget(self._ranks[0].layout_kind if self._ranks else "", self.block_size)
+
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
 
@@ -185,8 +239,11 @@ class SchedulerSide:
                 continue
             del self._to_save[rid]
             num_tokens = req.num_prompt_tokens
+            target = self._target_of(rid)
+            # Block bytes scale with tokens per block; layouts only permute them.
+            per_token = self.bytes_per_block_all_layers // self.block_size
             nbytes = (
-                blocks_for_tokens(num_tokens, self.block_size) * self.bytes_per_block_all_layers
+                blocks_for_tokens(num_tokens, target.block_size) * target.block_size * per_token
             )
             offset = self.pool.allocate(rid, nbytes)
             if offset is None:
@@ -201,7 +258,12 @@ class SchedulerSide:
             assert self._kv_cache_manager is not None
             block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
             spec = SaveSpec(
-                rid, block_ids[: blocks_for_tokens(num_tokens, self.block_size)], num_tokens, offset
+                rid,
+                block_ids[: blocks_for_tokens(num_tokens, self.block_size)],
+                num_tokens,
+                offset,
+                target.layout_kind,
+                target.block_size,
             )
             self._staged[rid] = spec
             saves.append(spec)
@@ -225,6 +287,8 @@ class SchedulerSide:
         rid = request.request_id
         self._to_save.pop(rid, None)
         self._matched.pop(rid, None)
+        self._targets.pop(rid, None)
+        self._waiting_since.pop(rid, None)
         self._pending_loads.pop(rid, None)
         if rid in self._loading:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
@@ -239,10 +303,6 @@ class SchedulerSide:
         ):
             self.pool.release(rid)  # aborted: nobody will come for it
             return False, None
-        if not self._ranks:
-            self.pool.release(rid)
-            return False, None
-        rank0 = self._ranks[0]
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -251,8 +311,8 @@ class SchedulerSide:
             remote_request_id=rid,
             num_tokens=spec.num_tokens,
             staging_offset=spec.staging_offset,
-            staged_layout=rank0.layout_kind,
-            staged_block_size=rank0.block_size,
+            staged_layout=spec.layout_kind,
+            staged_block_size=spec.block_size,
         )
         # The save ran in the step that finished the prompt, so the blocks can go now.
         return False, msgspec.to_builtins(params)

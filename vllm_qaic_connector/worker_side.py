@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -23,17 +24,14 @@ from vllm_qaic_connector.layout import (
     copy_tokens,
     get_layout,
 )
+from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.transports import KVTransport, create_transport
 from vllm_qaic_connector.wire import (
-    PROTOCOL_VERSION,
-    HandshakeReply,
-    HandshakeRequest,
     RankMetadata,
     ReleaseRequest,
     compat_hash,
-    incompatibility,
 )
 
 if TYPE_CHECKING:
@@ -105,8 +103,7 @@ class WorkerSide:
         self.layers: list[Views] = []
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
-        self._peers: dict[str, list[RankMetadata]] = {}
-        self._peer_lock = threading.Lock()
+        self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qaic-kv-load")
         self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
         self._load_errors: set[int] = set()
@@ -155,6 +152,7 @@ class WorkerSide:
             ),
             endpoint=self.transport.endpoint(),
         )
+        self.peers.ours = self.rank_meta
         logger.info(
             "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
             self.tp_rank,
@@ -166,11 +164,6 @@ class WorkerSide:
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
-
-    @property
-    def staging_format(self) -> StagingFormat:
-        assert self.layout is not None
-        return StagingFormat(self.layout.kind, self.geometry, len(self.layers))
 
     # --- per step ----------------------------------------------------------------------------
 
@@ -192,7 +185,8 @@ class WorkerSide:
     def _save(self, spec: SaveSpec) -> None:
         """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
         assert self.transport is not None
-        fmt = self.staging_format
+        geometry = dataclasses.replace(self.geometry, block_size=spec.block_size)
+        fmt = StagingFormat(spec.layout_kind, geometry, len(self.layers))
         nbytes = fmt.request_bytes(spec.num_tokens)
         region = self.transport.staging[spec.staging_offset : spec.staging_offset + nbytes]
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
@@ -207,41 +201,17 @@ class WorkerSide:
     # --- loads --------------------------------------------------------------------------------
 
     def _peer_ranks(self, host: str, port: int, engine_id: str) -> list[RankMetadata]:
-        with self._peer_lock:
-            ranks = self._peers.get(engine_id)
-        if ranks is not None:
-            return ranks
-        reply = side_channel.call(
-            host,
-            port,
-            HandshakeRequest(PROTOCOL_VERSION, self.engine_id),
-            self.cfg.shared_key,
-            self.cfg.handshake_timeout_s,
-        )
-        if not isinstance(reply, HandshakeReply) or not reply.ranks:
-            raise ConnectionError(f"bad handshake reply from {host}:{port}")
-        assert self.rank_meta is not None
-        problem = incompatibility(self.rank_meta, reply.ranks[0])
-        if problem:
-            raise ConnectionError(f"incompatible peer: {problem}")
-        if reply.ranks[0].engine_id != engine_id:
+        ranks = self.peers.get(host, port)
+        if ranks[0].engine_id != engine_id:
             raise ConnectionError(
-                f"{host}:{port} is engine {reply.ranks[0].engine_id!r}, not {engine_id!r}"
+                f"{host}:{port} is engine {ranks[0].engine_id!r}, not {engine_id!r}"
             )
-        if len(reply.ranks) != self.tp_size:
+        if len(ranks) != self.tp_size:
             raise ConnectionError(
-                f"peer {engine_id!r} has TP {len(reply.ranks)}, we have {self.tp_size}; "
+                f"peer {engine_id!r} has TP {len(ranks)}, we have {self.tp_size}; "
                 "heterogeneous TP is not supported yet"
             )
-        with self._peer_lock:
-            self._peers[engine_id] = reply.ranks
-        logger.info(
-            "QAICConnector: handshake with %s (%s, block %d) done",
-            engine_id,
-            reply.ranks[0].layout_kind,
-            reply.ranks[0].block_size,
-        )
-        return reply.ranks
+        return ranks
 
     def _load_guarded(self, spec: LoadSpec) -> None:
         try:
