@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import msgspec
 
-PREFIX_RE = re.compile(r"^[A-Za-z0-9]+$")
+PREFIX_RE = re.compile(r"[A-Za-z0-9]+")  # ASCII only: it becomes part of buffer names
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -49,7 +49,7 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             )
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
-        if self.kv_cache_prefix is not None and not PREFIX_RE.match(self.kv_cache_prefix):
+        if self.kv_cache_prefix is not None and not PREFIX_RE.fullmatch(self.kv_cache_prefix):
             raise ValueError(f"kv_cache_prefix must be alphanumeric, got {self.kv_cache_prefix!r}")
 
     @property

@@ -38,7 +38,7 @@ class QAICConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(vllm_config, cfg, kv_cache_config)
         else:
-            self.worker = WorkerSide(vllm_config, cfg, kv_cache_config)
+            self.worker = WorkerSide.from_vllm(vllm_config, cfg, kv_cache_config)
 
     # --- worker role --------------------------------------------------------------------
 

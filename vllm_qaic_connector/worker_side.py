@@ -27,6 +27,7 @@ from vllm_qaic_connector.layout import (
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
 from vllm_qaic_connector.transports import KVTransport, create_transport
 from vllm_qaic_connector.wire import (
     RankMetadata,
@@ -79,26 +80,24 @@ def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
     return matches[0]
 
 
-class WorkerSide:
-    def __init__(
-        self, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
-    ) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who this worker is; everything the handshake says besides the layout."""
 
+    engine_id: str
+    tp_rank: int
+    tp_size: int
+    total_kv_heads: int
+    model: str
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, identity: RankIdentity, geometry: KVGeometry) -> None:
         self.cfg = cfg
-        self.vllm_config = vllm_config
-        ktc = vllm_config.kv_transfer_config
-        assert ktc is not None
-        self.engine_id = str(ktc.engine_id)
-        self.tp_rank = get_tensor_model_parallel_rank()
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.geometry = KVGeometry(
-            num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
-            head_size=spec.head_size,  # type: ignore[attr-defined]
-            block_size=spec.block_size,
-            dtype=spec.dtype,  # type: ignore[attr-defined]
-        )
+        self.identity = identity
+        self.engine_id = identity.engine_id
+        self.tp_rank, self.tp_size = identity.tp_rank, identity.tp_size
+        self.geometry = geometry
         self.layout: KVLayout | None = None
         self.layers: list[Views] = []
         self.transport: KVTransport | None = None
@@ -111,14 +110,41 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
 
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
+    ) -> WorkerSide:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        model_cfg = vllm_config.model_config
+        identity = RankIdentity(
+            engine_id=str(ktc.engine_id),
+            tp_rank=get_tensor_model_parallel_rank(),
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            total_kv_heads=model_cfg.get_total_num_kv_heads(),
+            model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
+        )
+        geometry = KVGeometry(
+            num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
+            head_size=spec.head_size,  # type: ignore[attr-defined]
+            block_size=spec.block_size,
+            dtype=spec.dtype,  # type: ignore[attr-defined]
+        )
+        return cls(cfg, identity, geometry)
+
     # --- registration ----------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self, kv_caches: dict[str, torch.Tensor], layout: KVLayout | None = None
+    ) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
-        self.layout = detect_layout(tensors[0], self.geometry)
+        self.layout = layout or detect_layout(tensors[0], self.geometry)
         if self.layout.kind == "vllm_cpu" and self.cfg.verify_cpu_layout:
             from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
 
@@ -129,10 +155,9 @@ class WorkerSide:
         name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}"
         self.transport = create_transport(self.cfg.transport, name, self.cfg.staging_bytes)
         self.transport.register_kv_caches(tensors)
-        model_cfg = self.vllm_config.model_config
-        model = str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1]
+        model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
-        total_heads = model_cfg.get_total_num_kv_heads()
+        total_heads = self.identity.total_kv_heads
         self.rank_meta = RankMetadata(
             engine_id=self.engine_id,
             tp_rank=self.tp_rank,
@@ -206,11 +231,6 @@ class WorkerSide:
             raise ConnectionError(
                 f"{host}:{port} is engine {ranks[0].engine_id!r}, not {engine_id!r}"
             )
-        if len(ranks) != self.tp_size:
-            raise ConnectionError(
-                f"peer {engine_id!r} has TP {len(ranks)}, we have {self.tp_size}; "
-                "heterogeneous TP is not supported yet"
-            )
         return ranks
 
     def _load_guarded(self, spec: LoadSpec) -> None:
@@ -241,32 +261,39 @@ class WorkerSide:
         assert self.transport is not None
         remote = spec.remote
         ranks = self._peer_ranks(remote.remote_host, remote.remote_port, remote.remote_engine_id)
-        src_rank = ranks[self.tp_rank]
-        fmt = StagingFormat(
-            remote.staged_layout,
-            KVGeometry(
-                self.geometry.num_heads,
+        total = self.identity.total_kv_heads
+        src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
+        copied = 0
+        # Each source rank staged its own head shard; read only the heads this rank holds.
+        for source in head_sources(total, len(ranks), self.tp_size, self.tp_rank):
+            src_rank = ranks[source.src_rank]
+            src_geo = KVGeometry(
+                len(heads_of_rank(total, len(ranks), source.src_rank)),
                 src_rank.head_size,
                 remote.staged_block_size,
                 self.geometry.dtype,
-            ),
-            src_rank.num_layers,
-        )
-        nbytes = fmt.request_bytes(remote.num_tokens)
-        region = self.transport.read(src_rank.endpoint, remote.staging_offset, nbytes)
-        try:
-            src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
-            copied = 0
-            for src, dst in zip(
-                fmt.layer_views(region, remote.num_tokens), self.layers, strict=True
-            ):
-                copied += copy_tokens(
-                    src, src_blocks, dst, spec.block_ids, spec.first_token, remote.num_tokens
-                )
-                if self.cfg.debug_corrupt_loaded_kv:
-                    self._corrupt(dst, spec)
-        finally:
-            self.transport.release_read(src_rank.endpoint, remote.staging_offset)
+            )
+            fmt = StagingFormat(remote.staged_layout, src_geo, src_rank.num_layers)
+            nbytes = fmt.request_bytes(remote.num_tokens)
+            region = self.transport.read(src_rank.endpoint, remote.staging_offset, nbytes)
+            try:
+                for src, dst in zip(
+                    fmt.layer_views(region, remote.num_tokens), self.layers, strict=True
+                ):
+                    copied += copy_tokens(
+                        src,
+                        src_blocks,
+                        dst,
+                        spec.block_ids,
+                        spec.first_token,
+                        remote.num_tokens,
+                        source.heads,
+                    )
+            finally:
+                self.transport.release_read(src_rank.endpoint, remote.staging_offset)
+        if self.cfg.debug_corrupt_loaded_kv:
+            for dst in self.layers:
+                self._corrupt(dst, spec)
         return copied
 
     def _corrupt(self, dst: Views, spec: LoadSpec) -> None:

@@ -25,6 +25,7 @@ class SharedSegment:
         if "/" in name or not name:
             raise ValueError(f"invalid shm segment name {name!r}")
         self.name, self.size, self._owner = name, size, create
+        self._closed = False
         path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
@@ -46,12 +47,13 @@ class SharedSegment:
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
-        if self._map.closed:
+        # Never munmap here: torch views of the mapping may still be alive, and touching
+        # them after munmap crashes the process. Dropping our references lets the mapping
+        # go with its last view.
+        if self._closed:
             return
-        del self.tensor
-        # A live view may still exist; then the mapping goes with the process.
-        with contextlib.suppress(BufferError):
-            self._map.close()
+        self._closed = True
+        del self.tensor, self._map
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))

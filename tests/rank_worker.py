@@ -1,0 +1,110 @@
+"""One real WorkerSide per process, for the multi-rank tests (spawned by multiprocessing)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
+from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.tp_mapping import heads_of_rank
+from vllm_qaic_connector.worker_side import RankIdentity, WorkerSide
+
+HEAD, LAYERS, NUM_BLOCKS = 32, 2, 24
+
+
+def plain(kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Any, Any]]:
+    # numpy crosses the queue by value; torch tensors would go by shared-memory handle,
+    # which dies with this process.
+    return [(k.numpy().copy(), v.numpy().copy()) for k, v in kv_per_layer]
+
+
+def make_worker(
+    engine: str,
+    rank: int,
+    tp: int,
+    total_heads: int,
+    layout: str,
+    block: int,
+    seed: int,
+    extra: dict[str, Any],
+    head_size: int = HEAD,
+) -> WorkerSide:
+    torch.set_num_threads(1)
+    heads = len(heads_of_rank(total_heads, tp, rank))
+    geo = KVGeometry(heads, head_size, block, torch.float32)
+    w = WorkerSide(parse_config(extra), RankIdentity(engine, rank, tp, total_heads, "m"), geo)
+    kind = get_layout(layout)
+    gen = torch.Generator().manual_seed(seed)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(
+            kind.physical_shape(NUM_BLOCKS, geo), generator=gen
+        )
+        for i in range(LAYERS)
+    }
+    w.register_kv_caches(caches, layout=kind)
+    return w
+
+
+def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    w = make_worker(
+        args["engine"],
+        args["rank"],
+        args["tp"],
+        args["total_heads"],
+        args["layout"],
+        args["block"],
+        100 + args["rank"],
+        args["extra"],
+    )
+    spec: SaveSpec = args["save"]
+    before = [(k.clone(), v.clone()) for k, v in w.layers]
+    w.bind(QAICConnectorMetadata(saves=[spec]))
+    w.wait_for_save()
+    unchanged = all(
+        torch.equal(k, bk) and torch.equal(v, bv)
+        for (k, v), (bk, bv) in zip(w.layers, before, strict=True)
+    )
+    ref = plain([gather_tokens(kv, spec.block_ids, spec.num_tokens) for kv in w.layers])
+    outbox.put({"meta": w.rank_meta, "ref": ref, "unchanged": unchanged})
+    inbox.get(timeout=120)
+    w.shutdown()
+
+
+def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    w = make_worker(
+        args["engine"],
+        args["rank"],
+        args["tp"],
+        args["total_heads"],
+        args["layout"],
+        args["block"],
+        200 + args["rank"],
+        args["extra"],
+        args.get("head_size", HEAD),
+    )
+    spec: LoadSpec = inbox.get(timeout=120)
+    before = plain([gather_tokens(kv, spec.block_ids, spec.first_token) for kv in w.layers])
+    w.bind(QAICConnectorMetadata(loads=[spec]))
+    w.start_load_kv()
+    deadline, done = time.monotonic() + 60, None
+    while done is None and time.monotonic() < deadline:
+        _, done = w.get_finished()
+        time.sleep(0.01)
+    errors = w.get_block_ids_with_load_errors()
+    n = spec.remote.num_tokens if spec.remote else 0
+    got = plain([gather_tokens(kv, spec.block_ids, n) for kv in w.layers])
+    outbox.put(
+        {
+            "done": done,
+            "errors": errors,
+            "got": got,
+            "prefix_before": before,
+            "stats": (w.get_stats() or QAICConnectorStats()).data,
+        }
+    )
+    w.shutdown()

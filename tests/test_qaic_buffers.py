@@ -1,0 +1,203 @@
+"""QAIC KV buffer names: prefix rules, renaming and selection (table-driven)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_qaic_connector.qaic_buffers import (
+    apply_prefix,
+    kv_buffer_regex,
+    parse_kv_name,
+    select_kv_buffers,
+    validate_prefix,
+)
+
+VISION = [
+    "vision_embeds",
+    "vision_embeds_RetainedState",
+    "pixel_values",
+    "image_idx",
+    "image_idx_output",
+    "deepstack_features",
+    "input_ids",
+    "position_ids",
+    "batch_index",
+    "logits",
+]
+
+
+@pytest.mark.parametrize("prefix", [None, "P", "a", "ab", "vllmKvCache", "0", "A1b2"])
+def test_valid_prefixes_pass_unchanged(prefix):
+    assert validate_prefix(prefix) == prefix
+
+
+@pytest.mark.parametrize("bad", ["", "a-b", "a_b", "ä", "a b", "a\n", "a.b", "a/b", "٣", " a"])
+def test_invalid_prefix_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="invalid kv_cache_prefix") as err:
+        validate_prefix(bad)
+    assert repr(bad) in str(err.value)
+    # Every entry point that takes a prefix refuses it the same way.
+    for call in (
+        lambda: kv_buffer_regex(bad),
+        lambda: apply_prefix("past_key.0", bad),
+        lambda: select_kv_buffers(["past_key.0"], bad),
+    ):
+        with pytest.raises(ValueError, match="invalid kv_cache_prefix"):
+            call()
+
+
+def test_non_string_prefix_is_a_type_error():
+    with pytest.raises(TypeError):
+        validate_prefix(7)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name, prefix, want",
+    [
+        ("past_key.0", "P", "past_key.0_P"),
+        ("past_value.10", "P", "past_value.10_P"),
+        ("past_key.3_RetainedState", "P", "past_key.3_P_RetainedState"),
+        ("past_value.3_RetainedState", "ab", "past_value.3_ab_RetainedState"),
+        ("past_key.1_InternalRetainedState", "P", "past_key.1_P_InternalRetainedState"),
+        ("past_value.7_InternalRetainedState", "X9", "past_value.7_X9_InternalRetainedState"),
+        ("past_key.2", None, "past_key.2"),
+        ("past_key.2_RetainedState", None, "past_key.2_RetainedState"),
+    ],
+)
+def test_apply_prefix(name, prefix, want):
+    assert apply_prefix(name, prefix) == want
+    # The renamed buffer is exactly what the selection regex picks for that prefix.
+    parsed = parse_kv_name(want, kv_buffer_regex(prefix))
+    assert parsed is not None
+    assert parsed.suffix == ("_InternalRetainedState" if "Internal" in name else
+                             "_RetainedState" if "Retained" in name else "")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name",
+    [*VISION, "past_key.0_P", "past_key.0_P_RetainedState", "past_keys.1", "PAST_KEY.0",
+     "past_key.1_RetainedStateX", "past_key", "past_key.", "past_key.x", "past_key.0\n"],
+)  # fmt: skip
+def test_apply_prefix_refuses_anything_but_an_unprefixed_kv_name(name):
+    with pytest.raises(ValueError, match="not an unprefixed KV buffer name"):
+        apply_prefix(name, "Q")
+
+
+# (name, prefix, expected (layer, kind, suffix) or None)
+MATCH_TABLE = [
+    ("past_key.0", None, (0, "key", "")),
+    ("past_value.1_RetainedState", None, (1, "value", "_RetainedState")),
+    ("past_key.10_InternalRetainedState", None, (10, "key", "_InternalRetainedState")),
+    ("past_key.0_P", None, None),  # a prefixed name is not selected without a prefix
+    ("past_key.0_P_RetainedState", None, None),
+    ("past_key.0", "P", None),  # an unprefixed name is not selected with a prefix
+    ("past_key.0_RetainedState", "P", None),
+    ("past_key.0_P", "P", (0, "key", "")),
+    ("past_key.10_P", "P", (10, "key", "")),
+    ("past_value.1_P_RetainedState", "P", (1, "value", "_RetainedState")),
+    ("past_value.1_P_InternalRetainedState", "P", (1, "value", "_InternalRetainedState")),
+    ("past_key.0_p", "P", None),  # case-sensitive prefix
+    ("PAST_KEY.0_P", "P", None),
+    ("Past_key.0_P", "P", None),
+    ("past_key.0_P_retainedstate", "P", None),
+    ("past_key.1_P_RetainedStateX", "P", None),
+    ("past_key.1_P_RetainedState_", "P", None),
+    ("past_key.1_P_", "P", None),
+    ("past_key.1_PP", "P", None),
+    ("past_keys.1_P", "P", None),
+    ("past_keys.1", None, None),
+    ("past_key1", None, None),
+    ("past_key.", None, None),
+    ("past_key.-1", None, None),
+    ("past_key.1.0", None, None),
+    ("past_key.٣", None, None),  # a non-ASCII digit is not a layer index
+    ("past_key.1\n", None, None),
+    ("xpast_key.1", None, None),
+    ("past_key.1_RetainedState_RetainedState", None, None),
+    ("past_key.0_a", "a", (0, "key", "")),
+    ("past_key.0_ab", "a", None),  # prefix "a" is a substring of "ab"
+    ("past_key.0_ab", "ab", (0, "key", "")),
+    ("past_key.0_a", "ab", None),
+    ("past_key.0_ba", "a", None),
+    ("past_key.0_a_b", "a", None),
+    ("past_key.0_a_RetainedState", "ab", None),
+    ("past_key.0_ab_RetainedState", "a", None),
+    *[(name, None, None) for name in VISION],
+    *[(name, "P", None) for name in VISION],
+]
+
+
+@pytest.mark.parametrize("name, prefix, want", MATCH_TABLE)
+def test_regex_selects_exactly_the_kv_names(name, prefix, want):
+    pattern = kv_buffer_regex(prefix)
+    parsed = parse_kv_name(name, pattern)
+    assert (tuple(parsed) if parsed else None) == want
+    # match/search/fullmatch agree: the pattern is anchored on both ends.
+    assert (pattern.match(name) is None) == (pattern.search(name) is None) == (want is None)
+
+
+def test_layer_index_with_leading_zero_is_refused():
+    with pytest.raises(ValueError, match="non-canonical layer index"):
+        select_kv_buffers(["past_key.01"], None)
+    assert select_kv_buffers(["past_key.0", "past_key.10"], None) == {
+        (0, "key"): "past_key.0",
+        (10, "key"): "past_key.10",
+    }
+
+
+SELECT_TABLE = [
+    # names, prefix, expected mapping
+    (
+        ["past_key.1", "past_key.10", "past_value.1", "past_value.10"],
+        None,
+        {(1, "key"): "past_key.1", (1, "value"): "past_value.1",
+         (10, "key"): "past_key.10", (10, "value"): "past_value.10"},
+    ),
+    (   # mixed: vision buffers and the other prefix's KV are ignored
+        [*VISION, "past_key.0_a", "past_value.0_a", "past_key.0_ab", "past_value.0_ab",
+         "past_key.0", "past_value.0"],
+        "a",
+        {(0, "key"): "past_key.0_a", (0, "value"): "past_value.0_a"},
+    ),
+    (
+        [*VISION, "past_key.0_a", "past_value.0_a", "past_key.0_ab", "past_value.0_ab"],
+        "ab",
+        {(0, "key"): "past_key.0_ab", (0, "value"): "past_value.0_ab"},
+    ),
+    (   # a QPC binding list: input and retained output of the same state -> RetainedState
+        ["past_key.0_P", "past_key.0_P_RetainedState", "past_value.0_P_RetainedState",
+         "past_value.0_P", "vision_embeds_RetainedState"],
+        "P",
+        {(0, "key"): "past_key.0_P_RetainedState", (0, "value"): "past_value.0_P_RetainedState"},
+    ),
+    (   # subfunction export: Internal beats the bare input, RetainedState beats Internal
+        ["past_key.0_P", "past_key.0_P_InternalRetainedState", "past_value.0_P_RetainedState",
+         "past_value.0_P_InternalRetainedState", "past_value.0_P"],
+        "P",
+        {(0, "key"): "past_key.0_P_InternalRetainedState",
+         (0, "value"): "past_value.0_P_RetainedState"},
+    ),
+    (VISION, None, {}),
+    ([], "P", {}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("names, prefix, want", SELECT_TABLE)
+def test_select_kv_buffers(names, prefix, want):
+    assert select_kv_buffers(names, prefix) == want
+    # Order of the binding list does not matter.
+    assert select_kv_buffers(list(reversed(names)), prefix) == want
+    assert list(select_kv_buffers(names, prefix)) == sorted(want)
+
+
+@pytest.mark.parametrize(
+    "names, match",
+    [
+        (["past_key.0_P", "past_key.0_P"], "listed twice"),
+        (["vision_embeds", "vision_embeds"], "listed twice"),
+        (["past_key.0_P_RetainedState", "past_key.00_P_RetainedState"], "non-canonical"),
+    ],
+)
+def test_select_kv_buffers_refuses_duplicates(names, match):
+    with pytest.raises(ValueError, match=match):
+        select_kv_buffers(names, "P")

@@ -1,0 +1,180 @@
+"""Prefill and decode worker halves, one real WorkerSide per TP rank, each in its own
+process, moving bytes over real shared memory. The handshake is served by a real side
+channel in the test process (the role the prefill's scheduler half plays)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import numpy as np
+import pytest
+
+from tests.rank_worker import decode_rank, prefill_rank
+from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.scheduler_side import LoadSpec, SaveSpec
+from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.tp_mapping import heads_of_rank
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    Ok,
+    ReleaseRequest,
+    RemotePrefill,
+)
+
+CTX = mp.get_context("spawn")
+
+
+def run_handoff(
+    total_heads,
+    p_tp,
+    d_tp,
+    p_layout,
+    p_block,
+    d_layout,
+    d_block,
+    num_tokens,
+    first_token=0,
+    d_head_size=32,
+):
+    engine = f"pf{os.getpid()}"
+    n_src_blocks = blocks_for_tokens(num_tokens, p_block)
+    save = SaveSpec("r1", list(range(n_src_blocks, 0, -1)), num_tokens, 4096, p_layout, p_block)
+    pre = [(CTX.Queue(), CTX.Queue()) for _ in range(p_tp)]
+    procs = [
+        CTX.Process(
+            target=prefill_rank,
+            args=(
+                dict(
+                    engine=engine,
+                    rank=r,
+                    tp=p_tp,
+                    total_heads=total_heads,
+                    layout=p_layout,
+                    block=p_block,
+                    extra={},
+                    save=save,
+                ),
+                *pre[r],
+            ),
+        )
+        for r in range(p_tp)
+    ]
+    released: list[str] = []
+    for p in procs:
+        p.start()
+    results = [q[1].get(timeout=180) for q in pre]
+    ranks = [r["meta"] for r in results]
+
+    def handle(msg):
+        if isinstance(msg, HandshakeRequest):
+            return HandshakeReply(PROTOCOL_VERSION, ranks)
+        if isinstance(msg, ReleaseRequest):
+            released.extend(msg.request_ids)
+        return Ok()
+
+    server = SideChannelServer("127.0.0.1", 0, handle, None)
+    remote = RemotePrefill(
+        do_remote_prefill=True,
+        remote_engine_id=engine,
+        remote_host="127.0.0.1",
+        remote_port=server.port,
+        remote_request_id="r1",
+        num_tokens=num_tokens,
+        staging_offset=4096,
+        staged_layout=p_layout,
+        staged_block_size=p_block,
+    )
+    dec = [(CTX.Queue(), CTX.Queue()) for _ in range(d_tp)]
+    dprocs = [
+        CTX.Process(
+            target=decode_rank,
+            args=(
+                dict(
+                    engine=f"d{os.getpid()}",
+                    rank=r,
+                    tp=d_tp,
+                    total_heads=total_heads,
+                    layout=d_layout,
+                    block=d_block,
+                    extra={},
+                    head_size=d_head_size,
+                ),
+                *dec[r],
+            ),
+        )
+        for r in range(d_tp)
+    ]
+    for p in dprocs:
+        p.start()
+    d_blocks = list(range(3, 3 + blocks_for_tokens(num_tokens, d_block)))
+    for q in dec:
+        q[0].put(LoadSpec("d1", d_blocks, first_token, remote))
+    outs = [q[1].get(timeout=180) for q in dec]
+    for q in pre:
+        q[0].put("exit")
+    for p in procs + dprocs:
+        p.join(60)
+    server.close()
+    assert all(p.exitcode == 0 for p in procs + dprocs)
+    return results, outs, released
+
+
+def full_heads(results, total_heads, p_tp, layer, kv):
+    """Reassemble all heads from the prefill shards (replicas must agree)."""
+    heads = {}
+    for rank, res in enumerate(results):
+        for i, h in enumerate(heads_of_rank(total_heads, p_tp, rank)):
+            heads.setdefault(h, res["ref"][layer][kv][i])
+    return np.stack([heads[h] for h in range(total_heads)])
+
+
+CASES = [
+    # heads, P TP, D TP, P layout, P block, D layout, D block, tokens
+    (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150),
+    (4, 4, 2, "cuda_hnd", 16, "vllm_cpu", 64, 97),
+    (2, 4, 1, "vllm_cpu", 64, "vllm_cpu", 32, 130),  # GQA: heads replicated over prefill
+    (4, 1, 2, "cuda_nhd", 128, "qaic_slot", 256, 200),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"H{c[0]}-P{c[1]}{c[3]}{c[4]}-D{c[2]}{c[5]}{c[6]}"
+)
+def test_tp_handoff_bytes_match(case):
+    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n = case
+    results, outs, released = run_handoff(
+        total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n
+    )
+    assert all(r["unchanged"] for r in results), "saving modified the prefill's KV cache"
+    for d_rank, out in enumerate(outs):
+        assert out["done"] == {"d1"} and out["errors"] == set()
+        mine = heads_of_rank(total, d_tp, d_rank)
+        for layer in range(2):
+            for kv in range(2):
+                want = full_heads(results, total, p_tp, layer, kv)[mine.start : mine.stop]
+                assert np.array_equal(out["got"][layer][kv], want)
+    assert released.count("r1") == d_tp  # every decode rank acknowledged
+
+
+def test_decode_prefix_hit_reads_only_missing_tokens():
+    results, outs, _ = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 100, first_token=64)
+    out = outs[0]
+    for layer in range(2):
+        for kv in range(2):
+            want = results[0]["ref"][layer][kv]
+            got = out["got"][layer][kv]
+            assert np.array_equal(got[:, 64:], want[:, 64:])
+            assert np.array_equal(got[:, :64], out["prefix_before"][layer][kv])  # untouched
+    assert out["stats"]["loaded_tokens"] == 36
+
+
+def test_incompatible_peer_is_refused_and_blocks_reported():
+    _, outs, released = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, d_head_size=64)
+    out = outs[0]
+    assert out["done"] == {"d1"}  # finished, so vLLM applies kv_load_failure_policy
+    assert out["errors"] == {3, 4, 5}  # every block it was to load
+    assert out["stats"].get("load_failures") == 1
+    assert released == ["r1"]  # the prefill's staging is not stranded

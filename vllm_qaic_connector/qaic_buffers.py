@@ -1,0 +1,130 @@
+"""QAIC KV buffer names: prefix validation, renaming and selection by regex.
+
+A QAIC decode program keeps each layer's KV in retained-state buffers named
+``past_key.{i}`` / ``past_value.{i}``. The output side is ``..._RetainedState``, or
+``..._InternalRetainedState`` in programs exported with ONNX subfunctions (layer split).
+QEfficient's ``kv_cache_prefix`` P inserts ``_P`` after the layer index so a connector can
+select the LLM's KV and never touch vision/multimodal buffers (``vision_embeds_RetainedState``,
+``pixel_values``, ...). Pure: no I/O, no vLLM.
+
+Rules (DESIGN.md "QAIC decode slots"):
+
+* A prefix is ASCII letters and digits only, at least one character.
+* With a prefix P, only ``past_{key,value}.{i}_P[_RetainedState|_InternalRetainedState]``
+  is KV; unprefixed KV names are *not* selected (they may belong to another model in the
+  same program). Without a prefix, only unprefixed names are KV.
+* Matching is exact and case-sensitive: ``past_key.1`` never matches ``past_key.10``,
+  P="a" never matches ``_ab``, ``PAST_KEY.0`` is not KV, and no trailing text is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import NamedTuple
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9]+", re.ASCII)
+
+RETAINED = "_RetainedState"
+INTERNAL_RETAINED = "_InternalRetainedState"
+# Which of a layer's names is *the* buffer when a binding list holds several (see
+# select_kv_buffers): the public retained state first, since the runtime maps
+# `_InternalRetainedState` onto it and the bare input name aliases the same device state.
+_PREFERENCE = {RETAINED: 0, INTERNAL_RETAINED: 1, "": 2}
+
+
+def validate_prefix(prefix: str | None) -> str | None:
+    """Return ``prefix`` unchanged if valid (None means "no prefix"), else raise ValueError."""
+    if prefix is None:
+        return None
+    if not isinstance(prefix, str):
+        raise TypeError(f"kv_cache_prefix must be a string or None, got {type(prefix).__name__}")
+    # fullmatch + ASCII: "a\n" (a `$` loophole) and "ä" (str.isalnum loophole) are refused.
+    if not _PREFIX_RE.fullmatch(prefix):
+        raise ValueError(
+            f"invalid kv_cache_prefix {prefix!r}: must be one or more ASCII letters or digits "
+            "(no '_', '-', spaces or other characters), as in QEfficient's kv_cache_prefix"
+        )
+    return prefix
+
+
+def apply_prefix(name: str, prefix: str | None) -> str:
+    """Rename an unprefixed KV buffer name the way QEfficient's ``kv_cache_prefix`` does.
+
+    ``past_key.3`` -> ``past_key.3_P``; ``past_value.3_RetainedState`` ->
+    ``past_value.3_P_RetainedState``; same for ``_InternalRetainedState``. Any other name
+    (vision buffers, already-prefixed names) raises ValueError: renaming a buffer that is not
+    LLM KV would make the connector select it. ``prefix=None`` returns the name unchanged.
+    """
+    parsed = parse_kv_name(name, kv_buffer_regex(None))  # the selection rule, unprefixed
+    if parsed is None:
+        raise ValueError(
+            f"{name!r} is not an unprefixed KV buffer name (past_key.N / past_value.N)"
+        )
+    prefix = validate_prefix(prefix)
+    if prefix is None:
+        return name
+    return f"past_{parsed.kind}.{parsed.layer}_{prefix}{parsed.suffix}"
+
+
+def kv_buffer_regex(prefix: str | None) -> re.Pattern[str]:
+    """The one regex that selects KV buffers for ``prefix``.
+
+    Groups: ``kind`` (key|value), ``layer`` (digits), ``suffix`` (retained-state suffix or
+    None). Anchored with ``\\A``/``\\Z`` so ``match``, ``fullmatch`` and ``search`` agree
+    and a trailing newline never slips through.
+    """
+    prefix = validate_prefix(prefix)
+    infix = "" if prefix is None else "_" + re.escape(prefix)
+    return re.compile(
+        rf"\Apast_(?P<kind>key|value)\.(?P<layer>[0-9]+){infix}"
+        rf"(?P<suffix>{RETAINED}|{INTERNAL_RETAINED})?\Z"
+    )
+
+
+class KVName(NamedTuple):
+    layer: int
+    kind: str  # "key" | "value"
+    suffix: str  # "", "_RetainedState" or "_InternalRetainedState"
+
+
+def parse_kv_name(name: str, pattern: re.Pattern[str]) -> KVName | None:
+    """Parse ``name`` with a ``kv_buffer_regex`` pattern; None if it is not KV.
+
+    A layer index with leading zeros (``past_key.01``) raises ValueError: it would alias
+    ``past_key.1`` and nothing emits it, so it is a broken program, not a non-KV buffer.
+    """
+    m = pattern.fullmatch(name)
+    if m is None:
+        return None
+    digits = m["layer"]
+    if len(digits) > 1 and digits[0] == "0":
+        raise ValueError(f"KV buffer {name!r} has a non-canonical layer index {digits!r}")
+    return KVName(int(digits), m["kind"], m["suffix"] or "")
+
+
+def select_kv_buffers(names: Iterable[str], prefix: str | None) -> dict[tuple[int, str], str]:
+    """Map ``(layer, "key"|"value")`` to the one buffer name to write, from a program's names.
+
+    A QPC's binding list names a layer's KV state both as input (``past_key.0_P``) and as
+    retained output (``past_key.0_P_RetainedState`` or ``_InternalRetainedState``); they are
+    the same device state, so one is chosen: ``_RetainedState`` > ``_InternalRetainedState``
+    > the bare input name. A name listed twice or a non-canonical layer index raise
+    ValueError. Non-KV names are ignored.
+    """
+    pattern = kv_buffer_regex(prefix)
+    chosen: dict[tuple[int, str], tuple[str, str]] = {}  # (layer, kind) -> (suffix, name)
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"buffer name {name!r} is listed twice")
+        seen.add(name)
+        parsed = parse_kv_name(name, pattern)
+        if parsed is None:
+            continue
+        key = (parsed.layer, parsed.kind)
+        # Distinct canonical names never share (layer, kind, suffix), so ranks never tie.
+        prev = chosen.get(key)
+        if prev is None or _PREFERENCE[parsed.suffix] < _PREFERENCE[prev[0]]:
+            chosen[key] = (parsed.suffix, name)
+    return {key: name for key, (_, name) in sorted(chosen.items())}

@@ -1,0 +1,283 @@
+"""NIXL: a decode READs the prefill's registered staging region through NIXL agents over UCX.
+
+Endpoint: ``address`` is ``"<agent name>@0x<staging base address>"`` (the last ``@`` splits, so
+the name may contain one) and ``agent_metadata`` is the agent's ``get_agent_metadata()``, so a
+reader needs no metadata server or listener. A read is ONE descriptor, the peer's contiguous
+``[base+offset, +nbytes)``, into a slice of a local registered receive arena, because NIXL's
+cost is per descriptor.
+
+Progress: over TCP, and for the notification a READ may carry, UCX needs the *target* to
+progress its worker, or the reader's transfer stays in PROC. nixl's own progress thread does
+that, but nixl's Python API pins its poll timeout to 0, a busy loop that costs a core per agent.
+We run the same C++ thread with a 100 ms timeout: it still wakes at once on the UCX worker's
+event fd, and idles at ~0.05% of a core (measured on 2 cores, nixl 1.5.1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from vllm_qaic_connector.transports.base import KVTransport
+from vllm_qaic_connector.wire import TransportEndpoint
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_TIMEOUT_US = 100_000  # idle wake-up of the progress thread; UCX events wake it sooner
+ALIGN = 64  # receive slices start on a cache line, so the copy into KV blocks vectorises
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"agent@0xbase"`` -> (agent name, staging base address)."""
+    agent, sep, base = address.rpartition("@")
+    try:
+        if sep and agent:
+            return agent, int(base, 16)
+    except ValueError:
+        pass
+    raise ValueError(f"not a nixl address (agent@0xbase): {address!r}")
+
+
+def _new_agent(nixl: Any, name: str) -> Any:
+    """A nixl_agent with a UCX backend whose progress thread sleeps on events, not spins."""
+    agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=False, backends=[]))
+    try:
+        cfg = nixl._bindings.nixlAgentConfig()
+        cfg.useProgThread, cfg.useListenThread = True, False
+        cfg.pthrDelay = PROGRESS_TIMEOUT_US
+        cfg.syncMode = nixl._bindings.NIXL_THREAD_SYNC_NONE  # we serialise our calls ourselves
+        # The wrapper keeps the C++ agent in `.agent` and builds it with pthrDelay=0; swap it
+        # before any backend exists (the first one has none and is dropped).
+        agent.agent = nixl._bindings.nixlAgent(name, cfg)
+    except (AttributeError, TypeError) as exc:  # a nixl build without these knobs
+        logger.warning("nixl: cannot set the progress-thread delay (%s); it will spin", exc)
+        return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True))
+    agent.create_backend("UCX")
+    return agent
+
+
+class _Held(NamedTuple):
+    """A receive buffer handed out by `read`: an arena slice, or a one-off registration."""
+
+    tensor: torch.Tensor
+    start: int  # offset in the arena, or -1
+    reg: Any  # the one-off buffer's registration, or None
+
+
+class NixlTransport(KVTransport):
+    kind = "nixl"
+
+    def __init__(
+        self,
+        name: str,
+        staging_bytes: int,
+        *,
+        timeout_s: float = 30.0,
+        recv_bytes: int | None = None,
+    ) -> None:
+        """``timeout_s`` bounds every read; ``recv_bytes`` sizes the receive arena (default
+        ``staging_bytes``), allocated on the first read so an owner-only rank never pays it."""
+        import nixl
+
+        self._errors = tuple(
+            cls
+            for cls in vars(nixl._bindings).values()
+            if isinstance(cls, type) and issubclass(cls, Exception)
+        )
+        self.agent_name, self.timeout_s = name, timeout_s
+        self._lock = threading.RLock()  # nixl's agent runs with NIXL_THREAD_SYNC_NONE
+        self._agent: Any = _new_agent(nixl, name)
+        self._regs: list[Any] = []  # every live registration, deregistered by close()
+        self._closed = False
+        # torch.empty: fresh pages from the kernel, committed only when written.
+        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._register(self._staging)
+        self._recv_bytes = recv_bytes or staging_bytes
+        self._recv: torch.Tensor | None = None
+        self._used: list[tuple[int, int]] = []  # arena ranges handed out, sorted
+        self._held: dict[tuple[str, int], list[_Held]] = {}
+        self._peers: dict[str, bytes] = {}  # remote agents loaded, with their metadata
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self._staging
+
+    @property
+    def registrations(self) -> int:
+        return len(self._regs)
+
+    @property
+    def remote_agents(self) -> list[str]:
+        return list(self._peers)
+
+    def endpoint(self) -> TransportEndpoint:
+        with self._lock:
+            self._check_open()
+            metadata = self._agent.get_agent_metadata()  # after every registration
+        address = f"{self.agent_name}@{self._staging.data_ptr():#x}"
+        return TransportEndpoint(self.kind, address, self._staging.numel(), metadata)
+
+    def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        """Registered so a later version can READ straight into KV blocks; optional today."""
+        seen: set[tuple[int, int]] = set()
+        with self._lock:
+            for t in caches:
+                key = (t.data_ptr(), t.numel() * t.element_size())
+                if key in seen or not t.is_contiguous():
+                    continue
+                seen.add(key)
+                try:
+                    self._register(t)
+                except self._errors as exc:
+                    logger.warning("nixl: KV cache not registered (%s); reads use staging", exc)
+
+    def read(
+        self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
+    ) -> torch.Tensor:
+        """One NIXL READ; ``notify`` reaches the peer's `poll_notifications` after the data."""
+        if peer.kind != self.kind:
+            raise ConnectionError(f"peer uses transport {peer.kind!r}, we use {self.kind!r}")
+        if offset < 0 or nbytes <= 0 or offset + nbytes > peer.size:
+            raise ValueError(f"read [{offset}, {offset + nbytes}) outside segment {peer.address}")
+        agent, base = split_address(peer.address)
+        with self._lock:
+            self._check_open()
+            self._connect(agent, peer.agent_metadata)
+            held = self._take(nbytes)
+            try:
+                local = self._agent.get_xfer_descs([(held.tensor.data_ptr(), nbytes, 0)], "DRAM")
+                remote = self._agent.get_xfer_descs([(base + offset, nbytes, 0)], "DRAM")
+                handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
+                state = self._agent.transfer(handle)
+            except self._errors as exc:
+                self._give_back(held)
+                self._drop_peer(agent)
+                raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
+        self._wait(agent, handle, state, held)
+        with self._lock:
+            self._held.setdefault((peer.address, offset), []).append(held)
+        return held.tensor
+
+    def release_read(self, peer: TransportEndpoint, offset: int) -> None:
+        with self._lock:
+            stack = self._held.get((peer.address, offset))
+            if stack:
+                self._give_back(stack.pop(0))
+                if not stack:
+                    del self._held[(peer.address, offset)]
+
+    def poll_notifications(self) -> list[bytes]:
+        """Messages peers attached to their READs of our staging, oldest first."""
+        with self._lock:
+            if self._closed:
+                return []
+            notifs = self._agent.get_new_notifs()
+        return [msg for msgs in notifs.values() for msg in msgs]
+
+    def forget_peer(self, peer: TransportEndpoint) -> None:
+        agent, _ = split_address(peer.address)
+        with self._lock:
+            for key in [k for k in self._held if k[0] == peer.address]:
+                for held in self._held.pop(key):
+                    self._give_back(held)
+            self._drop_peer(agent)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for agent in list(self._peers):
+                self._drop_peer(agent)
+            self._held.clear()
+            self._used.clear()
+            for reg in self._regs:
+                try:
+                    self._agent.deregister_memory(reg)
+                except self._errors as exc:
+                    logger.warning("nixl: deregistration failed: %s", exc)
+            self._regs.clear()
+            self._agent = None  # the C++ agent stops its progress thread once unreferenced
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"nixl transport {self.agent_name} is closed")
+
+    def _register(self, tensor: torch.Tensor) -> Any:
+        reg = self._agent.register_memory(tensor)
+        self._regs.append(reg)
+        return reg
+
+    def _connect(self, agent: str, metadata: bytes) -> None:
+        if self._peers.get(agent) == metadata:
+            return
+        self._drop_peer(agent)  # a restarted peer: same name, new metadata
+        try:
+            loaded = self._agent.add_remote_agent(metadata)
+        except self._errors as exc:
+            raise ConnectionError(f"cannot load NIXL metadata of {agent}: {exc}") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        self._peers[loaded] = metadata
+        if loaded != agent:
+            self._drop_peer(loaded)
+            raise ConnectionError(f"metadata names agent {loaded!r}, address says {agent!r}")
+
+    def _drop_peer(self, agent: str) -> None:
+        if self._peers.pop(agent, None) is not None:
+            try:
+                self._agent.remove_remote_agent(agent)
+            except self._errors as exc:
+                logger.warning("nixl: removing remote agent %s failed: %s", agent, exc)
+
+    def _wait(self, agent: str, handle: Any, state: str, held: _Held) -> None:
+        deadline, pause = time.monotonic() + self.timeout_s, 0.0
+        while state == "PROC" and time.monotonic() < deadline:
+            time.sleep(pause)  # 0 first: small reads finish in tens of microseconds
+            pause = min(pause * 2 or 1e-5, 1e-3)
+            with self._lock:
+                state = self._agent.check_xfer_state(handle)
+        if state == "DONE":
+            with self._lock:
+                handle.release()
+            return
+        why = "failed" if state == "ERR" else f"timed out after {self.timeout_s:g}s"
+        with self._lock:
+            try:
+                handle.release()  # cancels a transfer still in flight
+                self._give_back(held)
+            except self._errors:
+                logger.warning("nixl: a read from %s could not be cancelled", agent)
+                # Keep its buffer out of circulation: UCX may still write into it.
+            self._drop_peer(agent)  # reconnect afresh next time
+        raise ConnectionError(f"NIXL read from {agent} {why}")
+
+    def _take(self, nbytes: int) -> _Held:
+        size = -(-nbytes // ALIGN) * ALIGN
+        if self._recv is None and size <= self._recv_bytes:
+            self._recv = torch.empty(self._recv_bytes, dtype=torch.uint8)
+            self._register(self._recv)
+        start = 0
+        for lo, hi in self._used:  # first fit
+            if lo - start >= size:
+                break
+            start = hi
+        if self._recv is not None and start + size <= self._recv_bytes:
+            bisect.insort(self._used, (start, start + size))
+            return _Held(self._recv[start : start + nbytes], start, None)
+        # Arena full or too small: a one-off registered buffer, deregistered on release.
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return _Held(buf, -1, self._register(buf))
+
+    def _give_back(self, held: _Held) -> None:
+        if held.reg is None:
+            self._used = [r for r in self._used if r[0] != held.start]
+        elif any(r is held.reg for r in self._regs):
+            self._regs = [r for r in self._regs if r is not held.reg]
+            self._agent.deregister_memory(held.reg)
