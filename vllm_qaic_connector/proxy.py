@@ -46,6 +46,11 @@ class Proxy:
         if status != 200:
             return web.json_response(prefill, status=status)
         returned = prefill.get("kv_transfer_params")
+        if returned and returned.get("error"):
+            # The prefill could not hand this request off (e.g. staging full): say so.
+            return web.json_response(
+                {"error": {"message": returned["error"], "type": "KVHandoffError"}}, status=503
+            )
         decode_body = dict(body)
         if returned:
             decode_body["kv_transfer_params"] = returned

@@ -17,6 +17,7 @@ from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
+from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -79,6 +80,16 @@ class StagingTarget:
     block_size: int
 
 
+@dataclass
+class _Outgoing:
+    """A prefill request on its way to a decode."""
+
+    waiting_since: float
+    target: StagingTarget | None = None
+    offset: int | None = None
+    error: str | None = None
+
+
 class SchedulerSide:
     def __init__(
         self, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
@@ -102,8 +113,7 @@ class SchedulerSide:
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
-        self._targets: dict[str, StagingTarget | None] = {}  # None: stage in our own format
-        self._waiting_since: dict[str, float] = {}
+        self._outgoing: dict[str, _Outgoing] = {}
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
@@ -144,7 +154,7 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self.is_producer:
-            return self._resolve_decode_peer(request, params)
+            return self._admit_producer(request, params)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         remote: RemotePrefill | None = None
@@ -185,47 +195,64 @@ class SchedulerSide:
 
     # --- prefill side: saves --------------------------------------------------------------
 
-    def _resolve_decode_peer(
-        self, request: Request, params: dict[str, Any]
-    ) -> tuple[int | None, bool]:
-        """Learn the named decode's layout before the prompt runs. While the handshake is
-        pending the request waits (None), up to the handshake timeout; then it is staged
-        in our own format and the decode converts on receive."""
-        rid = request.request_id
-        if rid in self._targets:
+    def _admit_producer(self, request: Request, params: dict[str, Any]) -> tuple[int | None, bool]:
+        """Before the prompt runs: learn the decode's format, then reserve staging. Either
+        may wait (None: vLLM asks again next step, other requests go on), each bounded."""
+        rid, now = request.request_id, time.monotonic()
+        out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
+        if out.offset is not None or out.error is not None:
             return 0, False
-        host, port = params.get("decode_host"), params.get("decode_port")
-        if not isinstance(host, str) or not isinstance(port, int):
-            if host is not None or port is not None:
-                logger.error(
-                    "QAICConnector: request %s: malformed decode_host/decode_port "
-                    "in kv_transfer_params; staging in our own layout",
-                    rid,
-                )
-            self._targets[rid] = None
-            return 0, False
-        found = self.peers.poll(host, port)
-        if found is None:
-            started = self._waiting_since.setdefault(rid, time.monotonic())
-            if time.monotonic() - started < self.cfg.handshake_timeout_s:
+        if out.target is None:
+            target = self._resolve_target(rid, params, out.waiting_since)
+            if target is None:
                 return None, False
-            found = f"handshake with {host}:{port} timed out"
-        self._waiting_since.pop(rid, None)
-        if isinstance(found, str):
-            logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
-            self._targets[rid] = None
-        elif len(found) != len(self._ranks):
-            # Head shards differ: stage in our format, the decode regroups heads.
-            self._targets[rid] = None
-        else:
-            self._targets[rid] = StagingTarget(found[0].layout_kind, found[0].block_size)
+            out.target, out.waiting_since = target, now
+        per_token = self.bytes_per_block_all_layers // self.block_size
+        blocks = blocks_for_tokens(request.num_prompt_tokens, out.target.block_size)
+        try:
+            offset = self.pool.allocate(rid, blocks * out.target.block_size * per_token)
+        except ValueError as exc:
+            out.error = str(exc)
+            return 0, False
+        if offset is None:
+            if now - out.waiting_since < self.cfg.staging_wait_s:
+                return None, False  # back-pressure: wait for pages to come back
+            out.error = (
+                f"staging pool full ({self.pool.pages_in_use}/{self.pool.num_pages} pages) "
+                f"for {self.cfg.staging_wait_s}s; raise staging_bytes or lower the load"
+            )
+            logger.warning("QAICConnector: request %s: %s", rid, out.error)
+            return 0, False
+        out.offset = offset
         return 0, False
 
-    def _target_of(self, rid: str) -> StagingTarget:
-        target = self._targets.pop(rid, None)
-        if target is not None:
-            return target
-        return StagingTarget(self._ranks[0].layout_kind if self._ranks else "", self.block_size)
+    def _resolve_target(
+        self, rid: str, params: dict[str, Any], since: float
+    ) -> StagingTarget | None:
+        """The named decode's format; our own if none is named or it cannot be reached in
+        time (the decode then converts on receive). None while the handshake is pending."""
+        own = StagingTarget(self._ranks[0].layout_kind if self._ranks else "", self.block_size)
+        host, port = params.get("decode_host"), params.get("decode_port")
+        if host is None and port is None:
+            return own
+        if not isinstance(host, str) or not isinstance(port, int):
+            logger.error(
+                "QAICConnector: request %s: malformed decode_host/decode_port in "
+                "kv_transfer_params; staging in our own layout",
+                rid,
+            )
+            return own
+        found = self.peers.poll(host, port)
+        if found is None:
+            if time.monotonic() - since < self.cfg.handshake_timeout_s:
+                return None
+            found = f"handshake with {host}:{port} timed out"
+        if isinstance(found, str):
+            logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
+            return own
+        if len(found) != len(self._ranks):
+            return own  # head shards differ: the decode regroups heads on receive
+        return StagingTarget(found[0].layout_kind, found[0].block_size)
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -238,32 +265,22 @@ class SchedulerSide:
             if scheduled == 0 or req.num_computed_tokens + scheduled < req.num_prompt_tokens:
                 continue
             del self._to_save[rid]
-            num_tokens = req.num_prompt_tokens
-            target = self._target_of(rid)
-            # Block bytes scale with tokens per block; layouts only permute them.
-            per_token = self.bytes_per_block_all_layers // self.block_size
-            nbytes = (
-                blocks_for_tokens(num_tokens, target.block_size) * target.block_size * per_token
-            )
-            offset = self.pool.allocate(rid, nbytes)
-            if offset is None:
-                logger.warning(
-                    "QAICConnector: staging pool full (%d/%d pages); request %s will be "
-                    "prefilled again by its decode",
-                    self.pool.pages_in_use,
-                    self.pool.num_pages,
-                    rid,
-                )
+            outgoing = self._outgoing.get(rid)
+            if outgoing is None or outgoing.offset is None or outgoing.target is None:
+                continue  # no staging (its error travels back in request_finished)
+            if not self.pool.renew(rid):
+                outgoing.error = "staging lease expired before the prompt finished"
                 continue
             assert self._kv_cache_manager is not None
+            num_tokens = req.num_prompt_tokens
             block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
             spec = SaveSpec(
                 rid,
                 block_ids[: blocks_for_tokens(num_tokens, self.block_size)],
                 num_tokens,
-                offset,
-                target.layout_kind,
-                target.block_size,
+                outgoing.offset,
+                outgoing.target.layout_kind,
+                outgoing.target.block_size,
             )
             self._staged[rid] = spec
             saves.append(spec)
@@ -287,8 +304,7 @@ class SchedulerSide:
         rid = request.request_id
         self._to_save.pop(rid, None)
         self._matched.pop(rid, None)
-        self._targets.pop(rid, None)
-        self._waiting_since.pop(rid, None)
+        out = self._outgoing.pop(rid, None)
         self._pending_loads.pop(rid, None)
         if rid in self._loading:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
@@ -296,6 +312,9 @@ class SchedulerSide:
             return True, None
         spec = self._staged.pop(rid, None)
         if spec is None:
+            self.pool.release(rid)  # reserved, never staged
+            if out is not None and out.error is not None:
+                return False, {"do_remote_prefill": False, "error": out.error}
             return False, None
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -316,6 +335,12 @@ class SchedulerSide:
         )
         # The save ran in the step that finished the prompt, so the blocks can go now.
         return False, msgspec.to_builtins(params)
+
+    def pool_stats(self) -> QAICConnectorStats:
+        stats = QAICConnectorStats()
+        stats.set("staging_pages_in_use", self.pool.pages_in_use)
+        stats.set("staging_pages_total", self.pool.num_pages)
+        return stats
 
     def shutdown(self) -> None:
         self._server.close()

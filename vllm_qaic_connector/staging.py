@@ -81,6 +81,15 @@ class StagingPool:
             expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
         return [rid for rid in expired if self.release(rid)]
 
+    def renew(self, request_id: str, now: float | None = None) -> bool:
+        """Restart a lease's clock; False if it is gone (expired or released)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            lease.expires_at = (time.monotonic() if now is None else now) + self.lease_s
+            return True
+
     def has(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._leases

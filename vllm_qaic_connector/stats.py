@@ -19,6 +19,12 @@ COUNTERS = {
     "bytes_copied": "KV bytes copied by the connector (staging writes and loads)",
 }
 
+# Latest value wins when aggregating; exported as Prometheus gauges.
+GAUGES = {
+    "staging_pages_in_use": "Staging pool pages held by staged requests (prefill)",
+    "staging_pages_total": "Staging pool size in pages (prefill)",
+}
+
 
 @dataclass
 class QAICConnectorStats(KVConnectorStats):
@@ -30,16 +36,22 @@ class QAICConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
+    def set(self, name: str, value: int) -> None:
+        self.data[name] = value
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
-            self.add(key, value)
+            if key in GAUGES:
+                self.set(key, value)
+            else:
+                self.add(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
         return dict(self.data)
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data
 
 
 class QAICPromMetrics(KVConnectorPromMetrics):
@@ -55,9 +67,21 @@ class QAICPromMetrics(KVConnectorPromMetrics):
             self._counters[name] = {
                 idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name, doc in GAUGES.items():
+            gauge = self._gauge_cls(  # type: ignore[call-arg]
+                name=f"vllm:qaic_kv_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._gauges[name] = {
+                idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
-            per_engine = self._counters.get(name)
-            if per_engine is not None and value:
-                per_engine[engine_idx].inc(value)
+            if name in self._gauges:
+                self._gauges[name][engine_idx].set(value)
+            elif name in self._counters and value:
+                self._counters[name][engine_idx].inc(value)

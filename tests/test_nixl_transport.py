@@ -1,0 +1,276 @@
+"""The NIXL transport between real processes: real agents, real UCX READs, no mocks.
+
+The owner of a staging region is always `tests/nixl_peer.py` in a child process; the reader is
+this process, or another `nixl_peer.py` when it must sit in another network namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+from tests.nixl_peer import RANGES, SEED, SIZE, decode, encode, pattern  # noqa: E402
+from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
+from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
+
+PEER = Path(__file__).resolve().parent / "nixl_peer.py"
+PID = os.getpid()
+
+
+class Peer:
+    """A nixl_peer.py child, spoken to line by line over its stdin/stdout."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [*args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # nixl's logs, kept for failure messages
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            self.lines.put(line.rstrip("\n"))
+
+    def expect(self, prefix: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line.startswith(prefix + " "):
+                return line[len(prefix) + 1 :]
+        raise AssertionError(f"no {prefix!r} line from peer; its output:\n{''.join(self.log)}")
+
+    def send(self, command: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def notifications(self) -> list[bytes]:
+        self.send("NOTIFS")
+        return [bytes.fromhex(m) for m in json.loads(self.expect("NOTIFS"))]
+
+    def wait_for_notification(self, msg: bytes, timeout: float = 15.0) -> list[bytes]:
+        seen: list[bytes] = []
+        deadline = time.monotonic() + timeout
+        while msg not in seen and time.monotonic() < deadline:
+            seen += self.notifications()
+            time.sleep(0.05)
+        return seen
+
+    def close(self) -> str:
+        self.send("CLOSE")
+        closed = self.expect("CLOSED")
+        assert self.proc.wait(30) == 0
+        return closed
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def start_owner(name: str, env: dict[str, str] | None = None, prefix: list[str] | None = None):
+    peer = Peer([*(prefix or []), sys.executable, str(PEER), "owner", "--name", name], env)
+    try:
+        return peer, decode(peer.expect("ENDPOINT"))
+    except BaseException:
+        peer.kill()
+        raise
+
+
+@pytest.fixture
+def owner_factory() -> Iterator:
+    started: list[Peer] = []
+
+    def start(name: str, env: dict[str, str] | None = None) -> tuple[Peer, TransportEndpoint]:
+        peer, endpoint = start_owner(name, env)
+        started.append(peer)
+        return peer, endpoint
+
+    yield start
+    for peer in started:
+        peer.kill()
+
+
+WANT = pattern(SEED, SIZE)
+
+
+@pytest.mark.parametrize("ucx_tls", [None, "tcp"], ids=["loopback-default", "ucx-tcp"])
+def test_reader_gets_owner_bytes_and_owner_gets_notification(owner_factory, monkeypatch, ucx_tls):
+    env = {"UCX_TLS": ucx_tls} if ucx_tls else {}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)  # the reader's UCX context, created below, too
+    owner, endpoint = owner_factory(f"qaic_owner_{PID}_{ucx_tls}", env)
+    agent, base = split_address(endpoint.address)
+    assert agent == f"qaic_owner_{PID}_{ucx_tls}" and base != 0 and endpoint.size == SIZE
+    reader = NixlTransport(f"qaic_reader_{PID}", 1 << 20, timeout_s=30.0)
+    try:
+        # Hold every range at once: arena slices and the one-off 8 MiB buffer must not overlap.
+        got = {offset: reader.read(endpoint, offset, nbytes) for offset, nbytes in RANGES}
+        for offset, nbytes in RANGES:
+            assert got[offset].dtype == torch.uint8 and got[offset].numel() == nbytes
+            assert torch.equal(got[offset], WANT[offset : offset + nbytes]), (offset, nbytes)
+        for offset, _ in RANGES:
+            reader.release_read(endpoint, offset)
+        assert owner.notifications() == []  # plain reads carry no message
+        again = reader.read(endpoint, 7, 4096, notify=b"req-1")
+        assert torch.equal(again, WANT[7 : 7 + 4096])
+        reader.release_read(endpoint, 7)
+        assert b"req-1" in owner.wait_for_notification(b"req-1")
+        for bad in [(SIZE - 10, 11), (-1, 10), (0, 0)]:
+            with pytest.raises(ValueError, match="outside"):
+                reader.read(endpoint, *bad)
+    finally:
+        reader.close()
+    assert owner.close() == "0 0"
+
+
+def test_close_deregisters_and_removes_agents_and_is_idempotent(owner_factory):
+    owner, endpoint = owner_factory(f"qaic_owner_{PID}_close")
+    reader = NixlTransport(f"qaic_reader_{PID}_close", 1 << 20)
+    reader.register_kv_caches([torch.zeros(4, 1024), torch.zeros(2, 512)])
+    reader.read(endpoint, 0, 4096)  # arena
+    reader.read(endpoint, 100, 2 << 20)  # larger than the arena: one-off registration
+    agent, regs = reader._agent, list(reader._regs)
+    owner_name = split_address(endpoint.address)[0]
+    # staging + 2 KV caches + arena + one-off
+    assert reader.registrations == 5 and reader.remote_agents == [owner_name]
+    assert agent.check_remote_metadata(owner_name)
+    reader.close()
+    reader.close()
+    assert reader.registrations == 0 and reader.remote_agents == []
+    assert not agent.check_remote_metadata(owner_name)
+    for reg in regs:  # nixl itself no longer knows any of them
+        with pytest.raises(Exception, match="NOT_FOUND"):
+            agent.deregister_memory(reg)
+    with pytest.raises(RuntimeError, match="closed"):
+        reader.read(endpoint, 0, 16)
+    assert reader.poll_notifications() == []
+    assert owner.close() == "0 0"
+
+
+def test_reading_from_an_exited_peer_is_a_connection_error(owner_factory):
+    name = f"qaic_owner_{PID}_gone"
+    owner, endpoint = owner_factory(name)
+    connected = NixlTransport(f"qaic_reader_{PID}_a", 1 << 20, timeout_s=10.0)
+    fresh = NixlTransport(f"qaic_reader_{PID}_b", 1 << 20, timeout_s=10.0)
+    try:
+        assert torch.equal(connected.read(endpoint, 0, 4096), WANT[:4096])
+        connected.release_read(endpoint, 0)
+        owner.kill()  # SIGKILL: no close, no goodbye
+        for reader in (connected, fresh):
+            start = time.monotonic()
+            with pytest.raises(ConnectionError, match=name):
+                reader.read(endpoint, 0, 4096)
+            assert time.monotonic() - start < 10.0 + 2.0
+    finally:
+        connected.close()
+        fresh.close()
+
+
+def test_a_stalled_peer_times_out_instead_of_hanging(owner_factory):
+    name = f"qaic_owner_{PID}_stalled"
+    owner, endpoint = owner_factory(name)
+    reader = NixlTransport(f"qaic_reader_{PID}_stalled", 1 << 20, timeout_s=2.0)
+    os.kill(owner.proc.pid, signal.SIGSTOP)  # alive but never answers the connection
+    try:
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match=f"{name}.*timed out"):
+            reader.read(endpoint, 0, 4096)
+        assert 2.0 <= time.monotonic() - start < 6.0
+    finally:
+        os.kill(owner.proc.pid, signal.SIGCONT)
+        reader.close()
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+def test_across_network_namespaces_over_a_veth_link():
+    """Owner and reader in two network namespaces joined by a veth pair, UCX over TCP only:
+    the bytes cross a network link, not shared memory or loopback."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 `ip` is not installed (apt-get install -y iproute2)")
+    ns_a, ns_b, dev_a, dev_b = f"qaicA{PID}", f"qaicB{PID}", f"qva{PID}", f"qvb{PID}"
+    added = run("ip", "netns", "add", ns_a)
+    if added.returncode != 0:
+        if "ermission" in added.stderr or "not permitted" in added.stderr:
+            reason = f"cannot create network namespaces: {added.stderr.strip()}"
+            print(reason)
+            pytest.skip(reason)
+        raise AssertionError(added.stderr)
+    owner: Peer | None = None
+    try:
+        for cmd in [
+            ("ip", "netns", "add", ns_b),
+            ("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b),
+            ("ip", "link", "set", dev_a, "netns", ns_a),
+            ("ip", "link", "set", dev_b, "netns", ns_b),
+            ("ip", "-n", ns_a, "addr", "add", "10.77.0.1/24", "dev", dev_a),
+            ("ip", "-n", ns_b, "addr", "add", "10.77.0.2/24", "dev", dev_b),
+            ("ip", "-n", ns_a, "link", "set", dev_a, "up"),
+            ("ip", "-n", ns_b, "link", "set", dev_b, "up"),
+            ("ip", "-n", ns_a, "link", "set", "lo", "up"),
+            ("ip", "-n", ns_b, "link", "set", "lo", "up"),
+        ]:
+            done = run(*cmd)
+            assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
+        # Isolation is real: namespace B sees its own address and not A's.
+        addrs_b = run("ip", "-n", ns_b, "-4", "addr").stdout
+        assert "10.77.0.2" in addrs_b and "10.77.0.1" not in addrs_b
+        name = f"qaic_owner_{PID}_netns"
+        owner, endpoint = start_owner(
+            name,
+            {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_a},
+            prefix=["ip", "netns", "exec", ns_a],
+        )
+        reader = subprocess.run(
+            ["ip", "netns", "exec", ns_b, sys.executable, str(PEER), "reader"]
+            + [encode(endpoint), "--name", f"qaic_reader_{PID}_netns"],
+            env={**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        out = reader.stdout + reader.stderr
+        lines = [ln for ln in reader.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, out
+        result = json.loads(lines[-1].removeprefix("RESULT "))
+        assert result["mismatches"] == [] and result["notify_read_ok"], out
+        assert result["bytes"] == sum(n for _, n in RANGES)
+        assert result["registrations_after_close"] == 0
+        assert reader.returncode == 0, out
+        assert b"req-1" in owner.wait_for_notification(b"req-1")
+        assert owner.close() == "0 0"
+    finally:
+        if owner is not None:
+            owner.kill()
+        for ns in (ns_a, ns_b):
+            run("ip", "netns", "del", ns)  # takes the veth pair with it
+    assert ns_a not in run("ip", "netns", "list").stdout
+
