@@ -46,18 +46,23 @@ def shm_leftovers() -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith("qaic_kv_")]
 
 
+HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
+
+
 @pytest.mark.parametrize(
     "env",
     [
         {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
-        {
-            "NUM_PROMPTS": "24",
-            "CONCURRENCY": "8",
-            "PREFILL_BLOCK_SIZE": "32",
-            "DECODE_BLOCK_SIZE": "128",
-        },
+        # The prefill stages in the decode's block size (the proxy names the decode).
+        {**HETERO, "PREFILL_BLOCK_SIZE": "32", "DECODE_BLOCK_SIZE": "128"},
+        # The prefill stages in its own block size; the decode converts on receive.
+        {**HETERO, "PREFILL_BLOCK_SIZE": "128", "DECODE_BLOCK_SIZE": "32", "STAGE_AT": "decode"},
+        # One block per sequence, the QAIC shape.
+        {**HETERO, "DECODE_BLOCK_SIZE": "512", "MAX_MODEL_LEN": "512"},
+        # Chunked prefill: the KV saved after the last chunk arrives whole.
+        {**HETERO, "PREFILL_MAX_NUM_BATCHED_TOKENS": "64"},
     ],
-    ids=["default-64x8", "prefill32-decode128"],
+    ids=["default-64x8", "p32-d128", "p128-d32-decode-converts", "d512-whole-seq", "chunked"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness(**env)
