@@ -26,10 +26,10 @@ KEEP_RUN=${KEEP_RUN:-0}
 
 unsupported() { echo "unsupported: $*" >&2; exit 2; }
 [ "$KV_TRANSPORT" = shm ] || unsupported "KV_TRANSPORT=$KV_TRANSPORT (only shm is implemented so far)"
-[ "$DECODE_TARGET" = vllm ] || unsupported "DECODE_TARGET=$DECODE_TARGET (the QAIC decode emulator is not built yet)"
-[ "$PREFILLER_TP_SIZE" = 1 ] && [ "$DECODER_TP_SIZE" = 1 ] \
-  || unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (TP>1 is not supported yet)"
-[ -z "$KV_CACHE_PREFIX" ] || unsupported "KV_CACHE_PREFIX applies to DECODE_TARGET=qaic only"
+[ "$DECODE_TARGET" = vllm ] || [ "$DECODE_TARGET" = qaic ] || unsupported "DECODE_TARGET=$DECODE_TARGET (vllm or qaic)"
+case "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" in 11|21|12|22) ;;
+  *) unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (this machine has 2 cores: TP 1 or 2)";; esac
+[ -z "$KV_CACHE_PREFIX" ] || [ "$DECODE_TARGET" = qaic ] || unsupported "KV_CACHE_PREFIX applies to DECODE_TARGET=qaic only"
 [ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
 
 bash "$ROOT/scripts/setup_env.sh"
@@ -70,7 +70,10 @@ if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi
 DEBUG_KEY=""
 [ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
 
-serve() {  # name core port block_size kv_transfer_config(or empty) [extra args...]
+tp_args() {  # tp -> vLLM args; TP ranks are worker processes, one core each
+  [ "$1" = 1 ] || echo "--tensor-parallel-size $1 --distributed-executor-backend mp"
+}
+serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args...]
   local name=$1 core=$2 port=$3 bs=$4 ktc=$5; shift 5
   mkdir -p "$RUN_DIR/$name/tmp"
   local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
@@ -91,11 +94,30 @@ ktc() {  # role engine_id side_channel_port
 }
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
-     "blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+     "TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
-serve prefill 0 "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)" "${PREFILL_ARGS[@]}"
-serve decode 1 "$D_PORT" "$DECODE_BLOCK_SIZE" "$(ktc kv_consumer "${RUN_ID}d" "$D_KV_PORT")"
+P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
+D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
+# shellcheck disable=SC2046
+serve prefill "$P_CORES" "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)" \
+  "${PREFILL_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
+if [ "$DECODE_TARGET" = qaic ]; then
+  # The QAIC decode emulator plays the decode engine on core 1: QAIC_SLOTS batch slots of
+  # MAX_MODEL_LEN tokens in /dev/shm (qaic_kv_${RUN_ID}d_*), same HTTP API, its own /metrics.
+  QAIC_ARGS=(--model "$MODEL" --port "$D_PORT" --side-channel-port "$D_KV_PORT"
+             --slots "${QAIC_SLOTS:-32}" --ctx "$MAX_MODEL_LEN" --engine-id "${RUN_ID}d")
+  [ -n "$KV_CACHE_PREFIX" ] && QAIC_ARGS+=(--kv-cache-prefix "$KV_CACHE_PREFIX")
+  [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
+  mkdir -p "$RUN_DIR/decode/tmp"
+  TMPDIR="$RUN_DIR/decode/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode/cache" \
+    setsid taskset -c 1 "$PY" -m vllm_qaic_connector.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode.log" 2>&1 &
+  PIDS+=($!)
+else
+  # shellcheck disable=SC2046
+  serve decode "$D_CORES" "$D_PORT" "$DECODE_BLOCK_SIZE" \
+    "$(ktc kv_consumer "${RUN_ID}d" "$D_KV_PORT")" $(tp_args "$DECODER_TP_SIZE")
+fi
 DECODE_KV_ARGS=()
 [ "$STAGE_AT" = prefill ] && DECODE_KV_ARGS=(--decode-kv "127.0.0.1:$D_KV_PORT")
 serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" ""
@@ -132,6 +154,37 @@ set +e
   > "$RUN_DIR/verdict.txt"
 status=$?
 set -e
+if [ "$DECODE_TARGET" = qaic ]; then
+  # QAIC gates: agreement >= 99% (transformers decodes, not vLLM's kernels), accuracy equal
+  # to the aggregated run's, every slot free again. Also reports the handoff's host copies.
+  set +e
+  "$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
+    --decode-metrics "$RUN_DIR/decode_metrics.txt" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
+    --min-agreement 99 > "$RUN_DIR/verdict.txt"
+  status=$?
+  set -e
+  curl -sf "http://127.0.0.1:$P_PORT/metrics" >"$RUN_DIR/prefill_metrics.txt"
+  qm() { awk -v n="$2" '$1 == n || index($1, n "{") == 1 { s += $2 } END { printf "%.0f", s }' "$1"; }
+  D="$RUN_DIR/decode_metrics.txt"
+  reqs=$(qm "$D" vllm:qaic_kv_loaded_requests_total); reqs=$(( reqs > 0 ? reqs : 1 ))
+  staged=$(qm "$RUN_DIR/prefill_metrics.txt" vllm:qaic_kv_bytes_copied_total)
+  host=$(qm "$D" vllm:qaic_kv_bytes_copied_total); dma=$(qm "$D" vllm:qaic_kv_dma_bytes_total)
+  in_use=$(qm "$D" vllm:qaic_slots_in_use)
+  acc_d="" acc_a=""
+  read -r acc_d acc_a < <(sed -n 's/^accuracy: disagg=\([^ ]*\) aggregated=\([^ ]*\) .*/\1 \2/p' "$RUN_DIR/verdict.txt") || true
+  {
+    sed '$d' "$RUN_DIR/verdict.txt"
+    echo "qaic decode: slots=$(qm "$D" vllm:qaic_slots_total) max_in_use=$(qm "$D" vllm:qaic_slots_in_use_max)" \
+         "in_use_at_end=$in_use slot_waits=$(qm "$D" vllm:qaic_kv_slot_waits_total) kv_cache_prefix=${KV_CACHE_PREFIX:-none}"
+    echo "handoff bytes per request: prefill staging write=$((staged / reqs)) emulator host copy=$((host / reqs))" \
+         "slot DMA [k,:,0:n,:]=$((dma / reqs)) (= the prompt's KV); host copies per handoff:" \
+         "$(awk -v a="$staged" -v b="$host" -v c="$dma" 'BEGIN { printf "%.2f", c ? (a + b) / c : 0 }')"
+    [ "$in_use" = 0 ] || echo "FAIL: $in_use decode slots still in use after every request finished"
+    [ "$acc_d" = "$acc_a" ] || echo "FAIL: QAIC accuracy $acc_d differs from aggregated $acc_a"
+    tail -n 1 "$RUN_DIR/verdict.txt"
+  } > "$RUN_DIR/verdict.qaic" && mv "$RUN_DIR/verdict.qaic" "$RUN_DIR/verdict.txt"
+  grep -q '^FAIL:' "$RUN_DIR/verdict.txt" && status=1
+fi
 if [ "$NEGATIVE_CONTROL" = 1 ]; then
   grep -v '^accuracy:' "$RUN_DIR/verdict.txt"
   if [ $status = 0 ]; then echo "NEGATIVE CONTROL: corrupted KV passed the gates; the harness cannot detect bad KV"

@@ -61,8 +61,17 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
         {**HETERO, "DECODE_BLOCK_SIZE": "512", "MAX_MODEL_LEN": "512"},
         # Chunked prefill: the KV saved after the last chunk arrives whole.
         {**HETERO, "PREFILL_MAX_NUM_BATCHED_TOKENS": "64"},
+        # Prefill TP 2 -> decode TP 1: the decode reads each head from the rank holding it.
+        {**HETERO, "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"},
     ],
-    ids=["default-64x8", "p32-d128", "p128-d32-decode-converts", "d512-whole-seq", "chunked"],
+    ids=[
+        "default-64x8",
+        "p32-d128",
+        "p128-d32-decode-converts",
+        "d512-whole-seq",
+        "chunked",
+        "tp2-tp1",
+    ],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness(**env)

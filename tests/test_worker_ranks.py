@@ -119,6 +119,12 @@ def run_handoff(
         p.join(60)
     server.close()
     assert all(p.exitcode == 0 for p in procs + dprocs)
+    leftovers = [
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith((f"qaic_kv_{engine}_", f"qaic_kv_d{os.getpid()}_"))
+    ]
+    assert leftovers == [], "shared-memory segments leaked"
     return results, outs, released
 
 
