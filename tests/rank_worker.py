@@ -23,22 +23,20 @@ def plain(kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[A
     return [(k.numpy().copy(), v.numpy().copy()) for k, v in kv_per_layer]
 
 
-def make_worker(
-    engine: str,
-    rank: int,
-    tp: int,
-    total_heads: int,
-    layout: str,
-    block: int,
-    seed: int,
-    extra: dict[str, Any],
-    head_size: int = HEAD,
-) -> WorkerSide:
+def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
+    """A WorkerSide for rank ``args["rank"]`` with random KV caches in ``args["layout"]``."""
     torch.set_num_threads(1)
-    heads = len(heads_of_rank(total_heads, tp, rank))
-    geo = KVGeometry(heads, head_size, block, torch.float32)
-    w = WorkerSide(parse_config(extra), RankIdentity(engine, rank, tp, total_heads, "m"), geo)
-    kind = get_layout(layout)
+    rank, tp, total = args["rank"], args["tp"], args["total_heads"]
+    geo = KVGeometry(
+        len(heads_of_rank(total, tp, rank)),
+        args.get("head_size", HEAD),
+        args["block"],
+        torch.float32,
+    )
+    w = WorkerSide(
+        parse_config(args["extra"]), RankIdentity(args["engine"], rank, tp, total, "m"), geo
+    )
+    kind = get_layout(args["layout"])
     gen = torch.Generator().manual_seed(seed)
     caches = {
         f"model.layers.{i}.self_attn.attn": torch.randn(
@@ -51,16 +49,7 @@ def make_worker(
 
 
 def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    w = make_worker(
-        args["engine"],
-        args["rank"],
-        args["tp"],
-        args["total_heads"],
-        args["layout"],
-        args["block"],
-        100 + args["rank"],
-        args["extra"],
-    )
+    w = make_worker(args, 100 + args["rank"])
     spec: SaveSpec = args["save"]
     before = [(k.clone(), v.clone()) for k, v in w.layers]
     w.bind(QAICConnectorMetadata(saves=[spec]))
@@ -76,17 +65,7 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
 
 
 def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
-    w = make_worker(
-        args["engine"],
-        args["rank"],
-        args["tp"],
-        args["total_heads"],
-        args["layout"],
-        args["block"],
-        200 + args["rank"],
-        args["extra"],
-        args.get("head_size", HEAD),
-    )
+    w = make_worker(args, 200 + args["rank"])
     spec: LoadSpec = inbox.get(timeout=120)
     before = plain([gather_tokens(kv, spec.block_ids, spec.first_token) for kv in w.layers])
     w.bind(QAICConnectorMetadata(loads=[spec]))

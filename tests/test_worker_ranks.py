@@ -27,6 +27,18 @@ from vllm_qaic_connector.wire import (
 CTX = mp.get_context("spawn")
 
 
+def start_ranks(target, tp: int, common: dict) -> tuple[list, list]:
+    """One process per TP rank running ``target``, each with an (inbox, outbox) pair."""
+    queues = [(CTX.Queue(), CTX.Queue()) for _ in range(tp)]
+    procs = [
+        CTX.Process(target=target, args=({**common, "rank": r, "tp": tp}, *queues[r]))
+        for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    return procs, queues
+
+
 def run_handoff(
     total_heads,
     p_tp,
@@ -42,29 +54,19 @@ def run_handoff(
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
     save = SaveSpec("r1", list(range(n_src_blocks, 0, -1)), num_tokens, 4096, p_layout, p_block)
-    pre = [(CTX.Queue(), CTX.Queue()) for _ in range(p_tp)]
-    procs = [
-        CTX.Process(
-            target=prefill_rank,
-            args=(
-                dict(
-                    engine=engine,
-                    rank=r,
-                    tp=p_tp,
-                    total_heads=total_heads,
-                    layout=p_layout,
-                    block=p_block,
-                    extra={},
-                    save=save,
-                ),
-                *pre[r],
-            ),
-        )
-        for r in range(p_tp)
-    ]
+    procs, pre = start_ranks(
+        prefill_rank,
+        p_tp,
+        dict(
+            engine=engine,
+            total_heads=total_heads,
+            layout=p_layout,
+            block=p_block,
+            extra={},
+            save=save,
+        ),
+    )
     released: list[str] = []
-    for p in procs:
-        p.start()
     results = [q[1].get(timeout=180) for q in pre]
     ranks = [r["meta"] for r in results]
 
@@ -87,28 +89,18 @@ def run_handoff(
         staged_layout=p_layout,
         staged_block_size=p_block,
     )
-    dec = [(CTX.Queue(), CTX.Queue()) for _ in range(d_tp)]
-    dprocs = [
-        CTX.Process(
-            target=decode_rank,
-            args=(
-                dict(
-                    engine=f"d{os.getpid()}",
-                    rank=r,
-                    tp=d_tp,
-                    total_heads=total_heads,
-                    layout=d_layout,
-                    block=d_block,
-                    extra={},
-                    head_size=d_head_size,
-                ),
-                *dec[r],
-            ),
-        )
-        for r in range(d_tp)
-    ]
-    for p in dprocs:
-        p.start()
+    dprocs, dec = start_ranks(
+        decode_rank,
+        d_tp,
+        dict(
+            engine=f"d{os.getpid()}",
+            total_heads=total_heads,
+            layout=d_layout,
+            block=d_block,
+            extra={},
+            head_size=d_head_size,
+        ),
+    )
     d_blocks = list(range(3, 3 + blocks_for_tokens(num_tokens, d_block)))
     for q in dec:
         q[0].put(LoadSpec("d1", d_blocks, first_token, remote))
