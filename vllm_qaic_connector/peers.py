@@ -23,6 +23,7 @@ from vllm_qaic_connector.wire import (
 
 logger = init_logger(__name__)
 RETRY_AFTER_S = 2.0
+HANDSHAKE_ATTEMPTS = 3
 
 
 @dataclass
@@ -104,7 +105,7 @@ class PeerDirectory:
     def get(self, host: str, port: int) -> list[RankMetadata]:
         """Blocking lookup, bounded by the handshake timeout. Raises ConnectionError."""
         entry = self._entry(host, port)
-        if not entry.done.wait(self.timeout_s + 1.0):
+        if not entry.done.wait(HANDSHAKE_ATTEMPTS * self.timeout_s + 1.0):
             raise ConnectionError(f"handshake with {host}:{port} timed out")
         if entry.ranks is None:
             raise ConnectionError(entry.error or f"handshake with {host}:{port} failed")

@@ -12,6 +12,10 @@ from vllm_qaic_connector.wire import ErrorReply, Message, decode_message, encode
 Handler = Callable[[Message], Message]
 
 
+class SideChannelTimeout(ConnectionError, TimeoutError):
+    """The peer did not answer in time (it may be busy, or gone)."""
+
+
 class SideChannelServer:
     """Serves handshake and release messages on a daemon thread."""
 
@@ -61,7 +65,7 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
         sock.send(encode_message(msg, key))
         reply = decode_message(sock.recv(), key)
     except zmq.Again:
-        raise ConnectionError(f"side channel {host}:{port} silent for {timeout_s}s") from None
+        raise SideChannelTimeout(f"side channel {host}:{port} silent for {timeout_s}s") from None
     except ValueError as exc:  # unauthenticated or malformed reply
         raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
     finally:
