@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.side_channel import SideChannelTimeout
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
@@ -44,13 +45,19 @@ class PeerDirectory:
         self._lock = threading.Lock()
 
     def _handshake(self, host: str, port: int) -> list[RankMetadata]:
-        reply = side_channel.call(
-            host,
-            port,
-            HandshakeRequest(PROTOCOL_VERSION, self.engine_id),
-            self.key,
-            self.timeout_s,
-        )
+        request = HandshakeRequest(PROTOCOL_VERSION, self.engine_id)
+        for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
+            try:
+                reply = side_channel.call(host, port, request, self.key, self.timeout_s)
+                break
+            except SideChannelTimeout:
+                # A busy peer on an oversubscribed host can miss one deadline; a dead one
+                # misses them all.
+                if attempt == HANDSHAKE_ATTEMPTS:
+                    raise ConnectionError(
+                        f"side channel {host}:{port} silent {attempt} times "
+                        f"({self.timeout_s}s each)"
+                    ) from None
         if not isinstance(reply, HandshakeReply) or not reply.ranks:
             raise ConnectionError(f"bad handshake reply from {host}:{port}")
         if self.ours is not None:
