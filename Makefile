@@ -11,7 +11,7 @@ demo: setup
 	bash scripts/run_accuracy_test.sh
 
 lint: setup
-	$(PY) -m ruff check vllm_qaic_connector tests scripts
+	$(PY) -m ruff check vllm_qaic_connector emulator tests scripts benchmarks
 	$(PY) -m mypy
 
 unit: setup

@@ -30,6 +30,8 @@ unsupported() { echo "unsupported: $*" >&2; exit 2; }
 case "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" in 11|21|12|22) ;;
   *) unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (this machine has 2 cores: TP 1 or 2)";; esac
 [ -z "$KV_CACHE_PREFIX" ] || [ "$DECODE_TARGET" = qaic ] || unsupported "KV_CACHE_PREFIX applies to DECODE_TARGET=qaic only"
+[ "$DECODE_TARGET" != qaic ] || [ "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" = 11 ] \
+  || unsupported "DECODE_TARGET=qaic with TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE (the QAIC emulator is one rank and reads TP 1 prefills)"
 [ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
 
 bash "$ROOT/scripts/setup_env.sh"
@@ -98,20 +100,24 @@ echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS con
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
+# QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
+# aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
+DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
 D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
 # shellcheck disable=SC2046
 serve prefill "$P_CORES" "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)" \
-  "${PREFILL_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
+  "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
 if [ "$DECODE_TARGET" = qaic ]; then
   # The QAIC decode emulator plays the decode engine on core 1: QAIC_SLOTS batch slots of
   # MAX_MODEL_LEN tokens in /dev/shm (qaic_kv_${RUN_ID}d_*), same HTTP API, its own /metrics.
   QAIC_ARGS=(--model "$MODEL" --port "$D_PORT" --side-channel-port "$D_KV_PORT"
-             --slots "${QAIC_SLOTS:-32}" --ctx "$MAX_MODEL_LEN" --engine-id "${RUN_ID}d")
+             --slots "${QAIC_SLOTS:-32}" --ctx "$MAX_MODEL_LEN" --engine-id "${RUN_ID}d"
+             --dtype "${QAIC_DTYPE:-float32}")
   [ -n "$KV_CACHE_PREFIX" ] && QAIC_ARGS+=(--kv-cache-prefix "$KV_CACHE_PREFIX")
   [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
   mkdir -p "$RUN_DIR/decode/tmp"
   TMPDIR="$RUN_DIR/decode/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode/cache" \
-    setsid taskset -c 1 "$PY" -m vllm_qaic_connector.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode.log" 2>&1 &
+    setsid taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode.log" 2>&1 &
   PIDS+=($!)
 else
   # shellcheck disable=SC2046
@@ -120,7 +126,7 @@ else
 fi
 DECODE_KV_ARGS=()
 [ "$STAGE_AT" = prefill ] && DECODE_KV_ARGS=(--decode-kv "127.0.0.1:$D_KV_PORT")
-serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" ""
+serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" "" "${DTYPE_ARGS[@]}"
 setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" \
   --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" "${DECODE_KV_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)

@@ -91,5 +91,5 @@ def test_negative_control_fails_loudly():
 
 
 def test_unsupported_combination_exits_with_one_line_reason():
-    rc, out = harness(DECODE_TARGET="qaic", NUM_PROMPTS="1")
+    rc, out = harness(DECODE_TARGET="qaic", PREFILLER_TP_SIZE="2", NUM_PROMPTS="1")
     assert rc != 0 and "unsupported:" in out

@@ -22,7 +22,7 @@ from vllm_qaic_connector.wire import (
     incompatibility,
 )
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 RETRY_AFTER_S = 2.0
 HANDSHAKE_ATTEMPTS = 3
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-logger = init_logger(__name__)
+logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 
 Views = tuple[torch.Tensor, torch.Tensor]
 

@@ -1,0 +1,268 @@
+"""The QAIC decode emulator: slot handling against a fake prefill (fast), and the real
+prefill vLLM -> emulator handoff through scripts/run_accuracy_test.sh (slow)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
+from tests.test_accuracy_harness import harness, last_line
+from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.transports.shm import SHM_DIR, ShmTransport
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    Ok,
+    RankMetadata,
+    ReleaseRequest,
+    RemotePrefill,
+    compat_hash,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = str(ROOT / "models" / "tiny-copy")
+sys.path.insert(0, str(ROOT / "scripts"))
+import copy_task  # noqa: E402
+from eval_tiny_model import greedy_answer  # noqa: E402
+
+L, H, D, EOS = 2, 2, 32, 2  # the tiny model's layers, KV heads, head size, eos id
+CTX = 512
+
+
+def _leftovers(tag: str) -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"qaic_kv_{tag}")]
+
+
+class FakePrefill:
+    """A prefill rank: staged KV in its shm segment, a side channel that records releases."""
+
+    def __init__(self, tag: str) -> None:
+        self.transport = ShmTransport(f"qaic_kv_{tag}pf_r0", 4 << 20)
+        self.released: list[str] = []
+        self.server = SideChannelServer("127.0.0.1", 0, self._handle, None)
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, ReleaseRequest):
+            self.released += msg.request_ids
+            return Ok()
+        assert isinstance(msg, HandshakeRequest)
+        rank = RankMetadata(
+            "pf", 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
+            compat_hash("tiny-copy", "float32", L, H, D), self.transport.endpoint(),
+        )  # fmt: skip
+        return HandshakeReply(PROTOCOL_VERSION, [rank])
+
+    def stage(self, rid: str, ids: list[int], layout: str, block: int) -> dict[str, Any]:
+        """Stage the prompt's KV (computed by transformers) as the connector's prefill would."""
+        model = _model()
+        with torch.no_grad():
+            cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        n = len(ids)
+        fmt = StagingFormat(layout, KVGeometry(H, D, block, torch.float32), L)
+        region = self.transport.staging[: fmt.request_bytes(n)]
+        region.zero_()
+        dst_blocks = list(range(blocks_for_tokens(n, block)))
+        for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
+            copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
+        params = RemotePrefill(
+            do_remote_prefill=True,
+            remote_engine_id="pf",
+            remote_host="127.0.0.1",
+            remote_port=self.server.port,
+            remote_request_id=rid,
+            num_tokens=n,
+            staging_offset=0,
+            staged_layout=layout,
+            staged_block_size=block,
+        )
+        return msgspec.to_builtins(params)
+
+    def close(self) -> None:
+        self.server.close()
+        self.transport.close()
+
+
+_MODEL: list[Any] = []
+
+
+def _model() -> Any:
+    if not _MODEL:
+        from transformers import AutoModelForCausalLM
+
+        _MODEL.append(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval())
+    return _MODEL[0]
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    tag = f"t{os.getpid()}{uuid.uuid4().hex[:6]}"
+    yield tag
+    assert _leftovers(tag) == []
+
+
+def _run(emulator: Emulator, fn: Any) -> Any:
+    async def go() -> Any:
+        async with TestClient(TestServer(emulator.app())) as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+async def _post(client: TestClient, prompt: str, params: dict | None) -> tuple[int, dict]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 20, "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    resp = await client.post("/v1/completions", json=body)
+    return resp.status, await resp.json()
+
+
+@pytest.mark.parametrize(
+    ("layout", "block", "prefix"),
+    [("qaic_slot", CTX, None), ("qaic_slot", CTX, "P0"), ("vllm_cpu", 16, None)],
+    ids=["slot-native", "slot-native-prefixed", "vllm-cpu-converted"],
+)
+def test_decodes_from_slot_bytes_like_the_reference(tag, layout, block, prefix):
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=2, ctx=CTX, kv_cache_prefix=prefix))
+    try:
+        decoy = emu.target.buffer(0, DECOY)
+        decoy.copy_(torch.randn(decoy.shape))
+        decoy_before = decoy.clone()
+        handshake = side_channel.call(
+            "127.0.0.1", emu.server.port, HandshakeRequest(PROTOCOL_VERSION, "x"), None, 5
+        )
+        assert isinstance(handshake, HandshakeReply)
+        assert (handshake.ranks[0].layout_kind, handshake.ranks[0].block_size) == ("qaic_slot", CTX)
+        names = [s.name for s in emu.manifest.programs[0]]
+        assert ("past_key.1_P0_RetainedState" in names) == (prefix == "P0")
+        tok = emu.tokenizer
+        cases = copy_task.heldout_prompts(3)
+        # Staging is rewritten per request, so each is staged right before it is sent;
+        # sequential on two slots, so slot 0 is freed and reused.
+        for i, (prompt, answer) in enumerate(cases):
+            params = prefill.stage(f"r{i}", tok.encode(prompt), layout, block)
+            status, body = _run(emu, lambda c, p=prompt, s=params: _post(c, p, s))
+            assert status == 200, body
+            ids = tok.encode(prompt)
+            want = greedy_answer(_model(), ids, EOS, zero_kv=False)
+            text = body["choices"][0]["text"]
+            assert text == " " + tok.decode(want)  # vLLM's detokenization, leading space
+            assert copy_task.is_correct(text, answer)
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["usage"]["prompt_tokens"] == len(ids)
+        assert prefill.released == ["r0", "r1", "r2"]
+        tokens = sum(len(tok.encode(p)) for p, _ in cases)
+        c = emu.counters
+        assert c["loaded_requests"] == 3 and c["loaded_tokens"] == tokens
+        assert c["dma_bytes"] == tokens * L * 2 * H * D * 4  # exactly [k, :, 0:n, :] per buffer
+        assert c["bytes_copied"] == (0 if layout == "qaic_slot" else c["dma_bytes"])
+        assert emu.slots_in_use == 0 and emu.slots_in_use_max == 1
+        assert torch.equal(decoy, decoy_before)
+        # The last request's KV sits in slot 0 exactly as staged (positions [0, n)).
+        n = len(tok.encode(cases[2][0]))
+        k0 = emu.target.kv(0)[0][0, :, :n]
+        with torch.no_grad():
+            ref = _model()(input_ids=torch.tensor([tok.encode(cases[2][0])])).past_key_values
+        assert torch.equal(k0, ref.layers[0].keys[0])
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_corrupt_zeroes_the_slot_so_answers_fail(tag):
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, corrupt=True))
+    try:
+        wrong = 0
+        for i, (prompt, answer) in enumerate(copy_task.heldout_prompts(4)):
+            params = prefill.stage(f"r{i}", emu.tokenizer.encode(prompt), "qaic_slot", CTX)
+            status, body = _run(emu, lambda c, p=prompt, s=params: _post(c, p, s))
+            assert status == 200
+            wrong += not copy_task.is_correct(body["choices"][0]["text"], answer)
+        assert wrong >= 3
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_refusals_free_the_slot_and_the_staging(tag):
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, slot_wait_s=0.3))
+    try:
+        prompt = copy_task.heldout_prompts(1)[0][0]
+        params = prefill.stage("r0", emu.tokenizer.encode(prompt), "qaic_slot", CTX)
+
+        async def scenario(client: TestClient) -> list[tuple[int, dict]]:
+            out = [await _post(client, prompt, None)]  # not a handoff
+            out.append(await _post(client, prompt + " f1", params))  # token count mismatch
+            slot = await emu._acquire_slot()  # the only slot is busy
+            out.append(await _post(client, prompt, params))
+            emu._free_slot(slot)
+            out.append(await _post(client, prompt, params))
+            return out
+
+        (s1, b1), (s2, b2), (s3, b3), (s4, _) = _run(emu, scenario)
+        assert s1 == 400 and "do_remote_prefill" in b1["error"]["message"]
+        assert s2 == 400 and "tokens" in b2["error"]["message"]
+        assert s3 == 503 and "slots busy" in b3["error"]["message"]
+        assert s4 == 200
+        assert prefill.released == ["r0"] * 3  # every handed-off request freed its staging
+        assert emu.slots_in_use == 0 and emu.counters["slot_wait_timeouts"] == 1
+        assert emu.target.allocate_slot() == 0  # nothing leaked
+    finally:
+        emu.close()
+        prefill.close()
+
+
+# --- the real thing: vLLM prefill -> emulator ------------------------------------------------
+
+SLOTS = re.compile(r"qaic decode: slots=(\d+) max_in_use=(\d+) in_use_at_end=(\d+)")
+
+
+def _run_leftovers(out: str) -> list[str]:
+    run_id = re.search(r"\[harness\] run (\S+):", out)
+    assert run_id, "no run id"
+    return _leftovers(run_id.group(1))
+
+
+def test_vllm_prefill_to_qaic_emulator():
+    # 8 slots for 16 requests in flight: slots must be waited for, freed and reused.
+    rc, out = harness(
+        DECODE_TARGET="qaic", NUM_PROMPTS="16", CONCURRENCY="16", QAIC_SLOTS="8",
+        KV_CACHE_PREFIX="P0",
+    )  # fmt: skip
+    m = last_line(out)
+    assert rc == 0, "harness gates failed"
+    acc, agg, agreement = float(m.group(1)), float(m.group(2)), float(m.group(3))
+    assert acc >= 0.95 and acc == agg and agreement >= 99.0
+    assert m.group(4) == "16" and m.group(5) == "shm"
+    slots = SLOTS.search(out)
+    assert slots, "no slot report"
+    assert int(slots.group(1)) == 8 and 1 <= int(slots.group(2)) <= 8
+    assert int(slots.group(3)) == 0
+    assert "host copies per handoff: 1.00" in out
+    assert _run_leftovers(out) == []
+
+
+def test_qaic_negative_control_fails():
+    rc, out = harness(DECODE_TARGET="qaic", NEGATIVE_CONTROL="1", NUM_PROMPTS="16")
+    assert rc != 0
+    assert "corrupted KV was detected" in out
+    assert float(last_line(out).group(1)) < 0.3
+    assert _run_leftovers(out) == []
