@@ -1,22 +1,22 @@
 """NIXL: a decode READs the prefill's registered staging region through NIXL agents over UCX.
 
-Endpoint: ``address`` is ``"<agent name>@0x<staging base address>"`` (the last ``@`` splits, so
-the name may contain one) and ``agent_metadata`` is the agent's ``get_agent_metadata()``, so a
-reader needs no metadata server or listener. A read is ONE descriptor, the peer's contiguous
-``[base+offset, +nbytes)``, into a slice of a local registered receive arena, because NIXL's
-cost is per descriptor.
+Endpoint: ``address`` is ``"<agent name>@0x<staging base address>"`` (split at the last ``@``)
+and ``agent_metadata`` is the agent's ``get_agent_metadata()``, so a reader needs no metadata
+server or listener. A read is ONE descriptor, the peer's contiguous ``[base+offset, +nbytes)``,
+into a slice of a local registered receive arena: NIXL's cost is per descriptor.
 
 Progress: over TCP, and for the notification a READ may carry, UCX needs the *target* to
-progress its worker, or the reader's transfer stays in PROC. nixl's own progress thread does
-that, but nixl's Python API pins its poll timeout to 0, a busy loop that costs a core per agent.
-We run the same C++ thread with a 100 ms timeout: it still wakes at once on the UCX worker's
-event fd, and idles at ~0.05% of a core (measured on 2 cores, nixl 1.5.1).
+progress its worker, or the reader's transfer stays in PROC. nixl's C++ progress thread does
+that, but nixl's Python API pins its poll timeout to 0, a busy loop costing a core per agent.
+We run that thread with a 100 ms timeout instead: it still wakes at once on the UCX worker's
+event fd (notified reads ~0.1 ms on a quiet machine) and idles at ~0.05% of a core.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import mmap
 import threading
 import time
 from typing import Any, NamedTuple
@@ -30,17 +30,15 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_TIMEOUT_US = 100_000  # idle wake-up of the progress thread; UCX events wake it sooner
 ALIGN = 64  # receive slices start on a cache line, so the copy into KV blocks vectorises
+MAX_PAUSE_S = 1e-3  # longest sleep between checks of a read in flight
 
 
 def split_address(address: str) -> tuple[str, int]:
     """``"agent@0xbase"`` -> (agent name, staging base address)."""
-    agent, sep, base = address.rpartition("@")
-    try:
-        if sep and agent:
-            return agent, int(base, 16)
-    except ValueError:
-        pass
-    raise ValueError(f"not a nixl address (agent@0xbase): {address!r}")
+    agent, _, base = address.rpartition("@")
+    if not agent or not base.startswith("0x"):
+        raise ValueError(f"not a nixl address (agent@0xbase): {address!r}")
+    return agent, int(base, 16)
 
 
 def _new_agent(nixl: Any, name: str) -> Any:
@@ -51,21 +49,24 @@ def _new_agent(nixl: Any, name: str) -> Any:
         cfg.useProgThread, cfg.useListenThread = True, False
         cfg.pthrDelay = PROGRESS_TIMEOUT_US
         cfg.syncMode = nixl._bindings.NIXL_THREAD_SYNC_NONE  # we serialise our calls ourselves
-        # The wrapper keeps the C++ agent in `.agent` and builds it with pthrDelay=0; swap it
-        # before any backend exists (the first one has none and is dropped).
+        # The wrapper keeps its C++ agent in `.agent` and builds it with pthrDelay=0; swap it
+        # while it has no backend yet (the discarded one never had any).
         agent.agent = nixl._bindings.nixlAgent(name, cfg)
-    except (AttributeError, TypeError) as exc:  # a nixl build without these knobs
+    except (AttributeError, TypeError) as exc:  # another nixl build without these knobs
         logger.warning("nixl: cannot set the progress-thread delay (%s); it will spin", exc)
         return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True))
     agent.create_backend("UCX")
     return agent
 
 
-class _Held(NamedTuple):
-    """A receive buffer handed out by `read`: an arena slice, or a one-off registration."""
+def _zeroed(nbytes: int) -> torch.Tensor:
+    """Page-aligned anonymous memory: zero pages, committed only when written."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
+
+class _Held(NamedTuple):
     tensor: torch.Tensor
-    start: int  # offset in the arena, or -1
+    start: int  # offset in the receive arena, or -1 for a one-off buffer
     reg: Any  # the one-off buffer's registration, or None
 
 
@@ -73,29 +74,20 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(
-        self,
-        name: str,
-        staging_bytes: int,
-        *,
-        timeout_s: float = 30.0,
-        recv_bytes: int | None = None,
+        self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, recv_bytes: int = 0
     ) -> None:
-        """``timeout_s`` bounds every read; ``recv_bytes`` sizes the receive arena (default
-        ``staging_bytes``), allocated on the first read so an owner-only rank never pays it."""
+        """``timeout_s`` bounds every read. ``recv_bytes`` sizes the receive arena (0: as
+        ``staging_bytes``), mapped on the first read; larger reads get a one-off buffer."""
         import nixl
 
-        self._errors = tuple(
-            cls
-            for cls in vars(nixl._bindings).values()
-            if isinstance(cls, type) and issubclass(cls, Exception)
-        )
+        errors = vars(nixl._bindings).values()  # nixl raises its own Exception subclasses
+        self._errors = tuple(c for c in errors if isinstance(c, type) and issubclass(c, Exception))
         self.agent_name, self.timeout_s = name, timeout_s
-        self._lock = threading.RLock()  # nixl's agent runs with NIXL_THREAD_SYNC_NONE
+        self._lock = threading.RLock()  # the agent is NIXL_THREAD_SYNC_NONE
         self._agent: Any = _new_agent(nixl, name)
-        self._regs: list[Any] = []  # every live registration, deregistered by close()
+        self._regs: list[Any] = []  # every live registration; close() deregisters them
         self._closed = False
-        # torch.empty: fresh pages from the kernel, committed only when written.
-        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._staging = _zeroed(staging_bytes)
         self._register(self._staging)
         self._recv_bytes = recv_bytes or staging_bytes
         self._recv: torch.Tensor | None = None
@@ -118,7 +110,7 @@ class NixlTransport(KVTransport):
     def endpoint(self) -> TransportEndpoint:
         with self._lock:
             self._check_open()
-            metadata = self._agent.get_agent_metadata()  # after every registration
+            metadata = self._agent.get_agent_metadata()  # fresh: covers every registration
         address = f"{self.agent_name}@{self._staging.data_ptr():#x}"
         return TransportEndpoint(self.kind, address, self._staging.numel(), metadata)
 
@@ -158,7 +150,7 @@ class NixlTransport(KVTransport):
                 self._give_back(held)
                 self._drop_peer(agent)
                 raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
-        self._wait(agent, handle, state, held)
+        self._wait(agent, handle, state, held)  # without the lock: other threads may poll
         with self._lock:
             self._held.setdefault((peer.address, offset), []).append(held)
         return held.tensor
@@ -172,20 +164,17 @@ class NixlTransport(KVTransport):
                     del self._held[(peer.address, offset)]
 
     def poll_notifications(self) -> list[bytes]:
-        """Messages peers attached to their READs of our staging, oldest first."""
+        """Messages peers attached to their READs of our staging, in arrival order."""
         with self._lock:
-            if self._closed:
-                return []
-            notifs = self._agent.get_new_notifs()
+            notifs = {} if self._closed else self._agent.get_new_notifs()
         return [msg for msgs in notifs.values() for msg in msgs]
 
     def forget_peer(self, peer: TransportEndpoint) -> None:
-        agent, _ = split_address(peer.address)
         with self._lock:
             for key in [k for k in self._held if k[0] == peer.address]:
                 for held in self._held.pop(key):
                     self._give_back(held)
-            self._drop_peer(agent)
+            self._drop_peer(split_address(peer.address)[0])
 
     def close(self) -> None:
         with self._lock:
@@ -202,7 +191,7 @@ class NixlTransport(KVTransport):
                 except self._errors as exc:
                     logger.warning("nixl: deregistration failed: %s", exc)
             self._regs.clear()
-            self._agent = None  # the C++ agent stops its progress thread once unreferenced
+            self._agent = None  # unreferenced, the C++ agent stops its progress thread
 
     # --- internals ---------------------------------------------------------------------------
 
@@ -240,28 +229,28 @@ class NixlTransport(KVTransport):
         deadline, pause = time.monotonic() + self.timeout_s, 0.0
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(pause)  # 0 first: small reads finish in tens of microseconds
-            pause = min(pause * 2 or 1e-5, 1e-3)
+            pause = min(pause * 2 or 1e-5, MAX_PAUSE_S)
             with self._lock:
+                if self._closed:  # close() from another thread: the buffer stays mapped
+                    raise ConnectionError(f"transport closed during a read from {agent}")
                 state = self._agent.check_xfer_state(handle)
-        if state == "DONE":
-            with self._lock:
-                handle.release()
-            return
-        why = "failed" if state == "ERR" else f"timed out after {self.timeout_s:g}s"
         with self._lock:
+            if state == "DONE":
+                handle.release()
+                return
             try:
                 handle.release()  # cancels a transfer still in flight
                 self._give_back(held)
-            except self._errors:
+            except self._errors:  # keep the buffer out of circulation: UCX may still write it
                 logger.warning("nixl: a read from %s could not be cancelled", agent)
-                # Keep its buffer out of circulation: UCX may still write into it.
             self._drop_peer(agent)  # reconnect afresh next time
+        why = "failed" if state == "ERR" else f"timed out after {self.timeout_s:g}s"
         raise ConnectionError(f"NIXL read from {agent} {why}")
 
     def _take(self, nbytes: int) -> _Held:
         size = -(-nbytes // ALIGN) * ALIGN
         if self._recv is None and size <= self._recv_bytes:
-            self._recv = torch.empty(self._recv_bytes, dtype=torch.uint8)
+            self._recv = _zeroed(self._recv_bytes)
             self._register(self._recv)
         start = 0
         for lo, hi in self._used:  # first fit
@@ -271,8 +260,7 @@ class NixlTransport(KVTransport):
         if self._recv is not None and start + size <= self._recv_bytes:
             bisect.insort(self._used, (start, start + size))
             return _Held(self._recv[start : start + nbytes], start, None)
-        # Arena full or too small: a one-off registered buffer, deregistered on release.
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = _zeroed(nbytes)  # arena full or too small: deregistered again on release
         return _Held(buf, -1, self._register(buf))
 
     def _give_back(self, held: _Held) -> None:
