@@ -301,3 +301,16 @@ def msgspec_replace(struct, **changes):
     import msgspec
 
     return msgspec.structs.replace(struct, **changes)
+
+
+def test_staging_is_freed_only_when_every_decode_rank_acknowledged(prefill):
+    pool = prefill.connector.scheduler.pool
+    prefill.add_request(make_request("k1", 40, {"do_remote_decode": True}))
+    _, outputs = step(prefill)
+    params = params_of(outputs, "k1")
+    host, port = params["remote_host"], params["remote_port"]
+    side_channel.call(host, port, ReleaseRequest(["k1"], 0, 2), None, 5.0)
+    side_channel.call(host, port, ReleaseRequest(["k1"], 0, 2), None, 5.0)  # a repeat
+    assert pool.has("k1")  # rank 1 may still be reading
+    side_channel.call(host, port, ReleaseRequest(["k1"], 1, 2), None, 5.0)
+    assert not pool.has("k1")

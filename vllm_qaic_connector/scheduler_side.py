@@ -3,6 +3,7 @@ and the side-channel listener. It holds no tensors, layouts or transports."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -114,6 +115,8 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._outgoing: dict[str, _Outgoing] = {}
+        self._acks: dict[str, set[int]] = {}  # decode ranks that acknowledged a staged request
+        self._acks_lock = threading.Lock()
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
@@ -142,10 +145,25 @@ class SchedulerSide:
             return HandshakeReply(PROTOCOL_VERSION, self._ranks)
         if isinstance(msg, ReleaseRequest):
             for rid in msg.request_ids:
-                self.pool.release(rid)
-            self.pool.expire()
+                self._acknowledge(rid, msg.reader_rank, msg.reader_tp)
+            self._expire_leases()
             return Ok()
         return ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    def _expire_leases(self) -> None:
+        for rid in self.pool.expire():
+            with self._acks_lock:
+                self._acks.pop(rid, None)
+            logger.warning("QAICConnector: staging lease of request %s expired", rid)
+
+    def _acknowledge(self, rid: str, reader_rank: int, reader_tp: int) -> None:
+        with self._acks_lock:
+            readers = self._acks.setdefault(rid, set())
+            readers.add(reader_rank)
+            if len(readers) < reader_tp:
+                return
+            del self._acks[rid]
+        self.pool.release(rid)
 
     # --- decode side: loads --------------------------------------------------------------
 
@@ -287,8 +305,7 @@ class SchedulerSide:
         return saves
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
-        for rid in self.pool.expire():
-            logger.warning("QAICConnector: staging lease of request %s expired", rid)
+        self._expire_leases()
         meta = QAICConnectorMetadata(
             saves=self._saves_for_step(scheduler_output),
             loads=list(self._pending_loads.values()),

@@ -72,9 +72,12 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
 
 
 class ReleaseRequest(msgspec.Struct, tag="release", frozen=True):
-    """The decode has the KV (or gave up): free the staging of these requests."""
+    """Decode rank ``reader_rank`` of ``reader_tp`` has the KV (or gave up). The staging is
+    freed once every reader rank said so: with TP, ranks read at their own pace."""
 
     request_ids: list[str]
+    reader_rank: int = 0
+    reader_tp: int = 1
 
 
 class Ok(msgspec.Struct, tag="ok", frozen=True):

@@ -309,7 +309,7 @@ class WorkerSide:
             side_channel.call(
                 spec.remote.remote_host,
                 spec.remote.remote_port,
-                ReleaseRequest([spec.remote.remote_request_id]),
+                ReleaseRequest([spec.remote.remote_request_id], self.tp_rank, self.tp_size),
                 self.cfg.shared_key,
                 self.cfg.handshake_timeout_s,
             )
