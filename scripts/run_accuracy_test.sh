@@ -25,7 +25,9 @@ STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
 
 unsupported() { echo "unsupported: $*" >&2; exit 2; }
-[ "$KV_TRANSPORT" = shm ] || unsupported "KV_TRANSPORT=$KV_TRANSPORT (only shm is implemented so far)"
+case "$KV_TRANSPORT" in shm|nixl) ;; *) unsupported "KV_TRANSPORT=$KV_TRANSPORT (shm or nixl)";; esac
+[ "$DECODE_TARGET" != qaic ] || [ "$KV_TRANSPORT" = shm ] \
+  || unsupported "DECODE_TARGET=qaic with KV_TRANSPORT=$KV_TRANSPORT (the QAIC handoff is host shared memory)"
 [ "$DECODE_TARGET" = vllm ] || [ "$DECODE_TARGET" = qaic ] || unsupported "DECODE_TARGET=$DECODE_TARGET (vllm or qaic)"
 case "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" in 11|21|12|22) ;;
   *) unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (this machine has 2 cores: TP 1 or 2)";; esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from typing import Any
 
@@ -60,7 +61,17 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     )
     ref = plain([gather_tokens(kv, spec.block_ids, spec.num_tokens) for kv in w.layers])
     outbox.put({"meta": w.rank_meta, "ref": ref, "unchanged": unchanged})
-    inbox.get(timeout=120)
+    acks = []  # acknowledgements that arrive with the decode's reads (NIXL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        meta = w.take_acknowledgements()
+        acks += [(a.request_ids[0], a.reader_rank, a.reader_tp) for a in meta.acks] if meta else []
+        try:
+            inbox.get(timeout=0.05)
+            break
+        except queue.Empty:
+            pass
+    outbox.put({"acks": acks})
     w.shutdown()
 
 

@@ -50,6 +50,7 @@ def run_handoff(
     num_tokens,
     first_token=0,
     d_head_size=32,
+    transport="shm",
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -62,7 +63,7 @@ def run_handoff(
             total_heads=total_heads,
             layout=p_layout,
             block=p_block,
-            extra={},
+            extra={"transport": transport},
             save=save,
         ),
     )
@@ -97,7 +98,7 @@ def run_handoff(
             total_heads=total_heads,
             layout=d_layout,
             block=d_block,
-            extra={},
+            extra={"transport": transport},
             head_size=d_head_size,
         ),
     )
@@ -107,6 +108,7 @@ def run_handoff(
     outs = [q[1].get(timeout=180) for q in dec]
     for q in pre:
         q[0].put("exit")
+    acks = sorted({a for q in pre for a in q[1].get(timeout=60)["acks"]})
     for p in procs + dprocs:
         p.join(60)
     server.close()
@@ -117,7 +119,7 @@ def run_handoff(
         if n.startswith((f"qaic_kv_{engine}_", f"qaic_kv_d{os.getpid()}_"))
     ]
     assert leftovers == [], "shared-memory segments leaked"
-    return results, outs, released
+    return results, outs, released + [f"{r}@{rank}/{tp}" for r, rank, tp in acks]
 
 
 def full_heads(results, total_heads, p_tp, layer, kv):
@@ -176,3 +178,16 @@ def test_incompatible_peer_is_refused_and_blocks_reported():
     assert out["errors"] == {3, 4, 5}  # every block it was to load
     assert out["stats"].get("load_failures") == 1
     assert released == ["r1"]  # the prefill's staging is not stranded
+
+
+def test_nixl_handoff_acknowledged_by_notification():
+    """Over NIXL the decode's READ carries its acknowledgement; no side-channel release."""
+    results, outs, acks = run_handoff(
+        4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, transport="nixl"
+    )
+    out = outs[0]
+    assert out["done"] == {"d1"} and out["errors"] == set()
+    for layer in range(2):
+        for kv in range(2):
+            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 2, layer, kv))
+    assert acks == ["r1@0/1"]  # from both prefill ranks' agents, one reader rank

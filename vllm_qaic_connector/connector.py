@@ -10,12 +10,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata, SchedulerSide
 from vllm_qaic_connector.stats import QAICConnectorStats, QAICPromMetrics
-from vllm_qaic_connector.worker_side import QAICHandshakeMetadata, WorkerSide
+from vllm_qaic_connector.worker_side import QAICHandshakeMetadata, QAICWorkerMetadata, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +82,9 @@ class QAICConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._w().handshake_metadata()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._w().take_acknowledgements()
+
     def get_kv_connector_stats(self) -> QAICConnectorStats | None:
         # vLLM asks both roles: transfer counters live on the worker, pool gauges on the
         # scheduler (producers only).
@@ -125,7 +129,9 @@ class QAICConnector(KVConnectorBase_V1):
         return self._s().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._s().update_connector_output(connector_output.finished_recving)
+        meta = connector_output.kv_connector_worker_meta
+        acks = meta.acks if isinstance(meta, QAICWorkerMetadata) else []
+        self._s().update_connector_output(connector_output.finished_recving, acks)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -314,8 +314,13 @@ class SchedulerSide:
         self._pending_loads.clear()
         return meta
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+    def update_connector_output(
+        self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
+    ) -> None:
         self._loading.difference_update(finished_recving or ())
+        for ack in acks:  # acknowledgements that came with NIXL reads
+            for rid in ack.request_ids:
+                self._acknowledge(rid, ack.reader_rank, ack.reader_tp)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         rid = request.request_id

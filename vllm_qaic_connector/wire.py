@@ -80,6 +80,18 @@ class ReleaseRequest(msgspec.Struct, tag="release", frozen=True):
     reader_tp: int = 1
 
 
+def ack_message(request_id: str, reader_rank: int, reader_tp: int) -> bytes:
+    """The notification a reader attaches to its read: a one-request ReleaseRequest."""
+    return _encoder.encode(ReleaseRequest([request_id], reader_rank, reader_tp))
+
+
+def parse_ack(message: bytes) -> ReleaseRequest | None:
+    try:
+        return msgspec.msgpack.decode(message, type=ReleaseRequest)
+    except msgspec.DecodeError:
+        return None
+
+
 class Ok(msgspec.Struct, tag="ok", frozen=True):
     pass
 

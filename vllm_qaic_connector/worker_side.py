@@ -11,7 +11,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorWorkerMetadata,
+)
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
@@ -32,7 +35,9 @@ from vllm_qaic_connector.transports import KVTransport, create_transport
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
+    ack_message,
     compat_hash,
+    parse_ack,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +52,17 @@ Views = tuple[torch.Tensor, torch.Tensor]
 @dataclass
 class QAICHandshakeMetadata(KVConnectorHandshakeMetadata):
     rank: RankMetadata
+
+
+@dataclass
+class QAICWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: acknowledgements that free staging."""
+
+    acks: list[ReleaseRequest]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, QAICWorkerMetadata)
+        return QAICWorkerMetadata(self.acks + other.acks)
 
 
 @dataclass(frozen=True)
@@ -234,8 +250,11 @@ class WorkerSide:
         return ranks
 
     def _load_guarded(self, spec: LoadSpec) -> None:
+        acknowledged = False
         try:
             copied = self._load(spec)
+            # Each read carried our acknowledgement when the transport delivers messages.
+            acknowledged = self.transport is not None and self.transport.delivers_notifications
             self._results.put(
                 LoadResult(spec.request_id, frozenset(), self._num_load_tokens(spec), copied)
             )
@@ -243,7 +262,8 @@ class WorkerSide:
             logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
             self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0))
         finally:
-            self._release_remote(spec)
+            if not acknowledged:
+                self._release_remote(spec)
 
     @staticmethod
     def _num_load_tokens(spec: LoadSpec) -> int:
@@ -275,7 +295,10 @@ class WorkerSide:
             )
             fmt = StagingFormat(remote.staged_layout, src_geo, src_rank.num_layers)
             nbytes = fmt.request_bytes(remote.num_tokens)
-            region = self.transport.read(src_rank.endpoint, remote.staging_offset, nbytes)
+            ack = ack_message(remote.remote_request_id, self.tp_rank, self.tp_size)
+            region = self.transport.read(
+                src_rank.endpoint, remote.staging_offset, nbytes, notify=ack
+            )
             try:
                 for src, dst in zip(
                     fmt.layer_views(region, remote.num_tokens), self.layers, strict=True
@@ -319,6 +342,13 @@ class WorkerSide:
                 spec.remote.remote_request_id,
                 exc,
             )
+
+    def take_acknowledgements(self) -> QAICWorkerMetadata | None:
+        """Decode ranks' acknowledgements that arrived with their reads (prefill side)."""
+        if self.transport is None:
+            return None
+        acks = [a for m in self.transport.poll_notifications() if (a := parse_ack(m))]
+        return QAICWorkerMetadata(acks) if acks else None
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()

@@ -31,12 +31,23 @@ class KVTransport(ABC):
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:  # noqa: B027
         """Transports that DMA into the KV cache register it here; others need nothing."""
 
+    # True when a read can carry a message that the peer receives (`poll_notifications`);
+    # otherwise readers acknowledge over the side channel.
+    delivers_notifications: ClassVar[bool] = False
+
     @abstractmethod
-    def read(self, peer: TransportEndpoint, offset: int, nbytes: int) -> torch.Tensor:
+    def read(
+        self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
+    ) -> torch.Tensor:
         """Bytes ``[offset, offset+nbytes)`` of a peer's staging region, as a uint8 tensor.
 
         May be a zero-copy view. Valid until ``release_read`` for the same peer and offset.
+        ``notify`` reaches the peer after the bytes, where the transport delivers messages.
         """
+
+    def poll_notifications(self) -> list[bytes]:
+        """Messages readers attached to their reads of our staging."""
+        return []
 
     def release_read(self, peer: TransportEndpoint, offset: int) -> None:  # noqa: B027
         """Drop whatever `read` holds for that region."""

@@ -72,6 +72,7 @@ class _Held(NamedTuple):
 
 class NixlTransport(KVTransport):
     kind = "nixl"
+    delivers_notifications = True
 
     def __init__(
         self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, recv_bytes: int = 0

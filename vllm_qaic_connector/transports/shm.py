@@ -73,7 +73,9 @@ class ShmTransport(KVTransport):
     def endpoint(self) -> TransportEndpoint:
         return TransportEndpoint(self.kind, self._own.name, self._own.size)
 
-    def read(self, peer: TransportEndpoint, offset: int, nbytes: int) -> torch.Tensor:
+    def read(
+        self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
+    ) -> torch.Tensor:
         if peer.kind != self.kind:
             raise ConnectionError(f"peer uses transport {peer.kind!r}, we use {self.kind!r}")
         if offset < 0 or offset + nbytes > peer.size:
