@@ -49,29 +49,38 @@ def shm_leftovers() -> list[str]:
 HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
 
 
+# Each run starts three vLLM servers, so the cases combine independent axes.
 @pytest.mark.parametrize(
     "env",
     [
         {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
-        # The prefill stages in the decode's block size (the proxy names the decode).
-        {**HETERO, "PREFILL_BLOCK_SIZE": "32", "DECODE_BLOCK_SIZE": "128"},
-        # The prefill stages in its own block size; the decode converts on receive.
-        {**HETERO, "PREFILL_BLOCK_SIZE": "128", "DECODE_BLOCK_SIZE": "32", "STAGE_AT": "decode"},
-        # One block per sequence, the QAIC shape.
-        {**HETERO, "DECODE_BLOCK_SIZE": "512", "MAX_MODEL_LEN": "512"},
-        # Chunked prefill: the KV saved after the last chunk arrives whole.
-        {**HETERO, "PREFILL_MAX_NUM_BATCHED_TOKENS": "64"},
-        # Prefill TP 2 -> decode TP 1: the decode reads each head from the rank holding it.
-        {**HETERO, "PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "1"},
+        # The prefill stages in the decode's block size (the proxy names the decode), and
+        # chunked prefill saves the KV after the last chunk.
+        {
+            **HETERO,
+            "PREFILL_BLOCK_SIZE": "32",
+            "DECODE_BLOCK_SIZE": "128",
+            "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
+        },
+        # NIXL; the prefill stages in its own block size and the decode converts on receive.
+        {
+            **HETERO,
+            "KV_TRANSPORT": "nixl",
+            "PREFILL_BLOCK_SIZE": "128",
+            "DECODE_BLOCK_SIZE": "32",
+            "STAGE_AT": "decode",
+        },
+        # Prefill TP 2 -> decode TP 1 with one block per sequence (the QAIC shape): the
+        # decode reads each head from the prefill rank holding it and re-blocks.
+        {
+            **HETERO,
+            "PREFILLER_TP_SIZE": "2",
+            "DECODER_TP_SIZE": "1",
+            "DECODE_BLOCK_SIZE": "512",
+            "MAX_MODEL_LEN": "512",
+        },
     ],
-    ids=[
-        "default-64x8",
-        "p32-d128",
-        "p128-d32-decode-converts",
-        "d512-whole-seq",
-        "chunked",
-        "tp2-tp1",
-    ],
+    ids=["default-64x8", "p32-d128-chunked", "nixl-p128-d32-decode-converts", "tp2-tp1-d512"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness(**env)
