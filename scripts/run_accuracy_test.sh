@@ -41,6 +41,7 @@ PY="$ROOT/.venv/bin/python"
 
 RUN_ID="qaic$$$(date +%s | tail -c 5)"
 RUN_DIR=$(mktemp -d "/tmp/qaic-accuracy.XXXXXX")
+ls /dev/shm | sort > "$RUN_DIR/shm_before"
 PIDS=()
 cleanup() {
   local rc=$?
@@ -52,6 +53,12 @@ cleanup() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
   rm -f /dev/shm/qaic_kv_"${RUN_ID}"* 2>/dev/null || true
+  # vLLM's CPU TP segments and multiprocessing semaphores outlive killed processes; remove
+  # the ones that appeared during this run.
+  if [ -f "$RUN_DIR/shm_before" ]; then
+    comm -13 "$RUN_DIR/shm_before" <(ls /dev/shm | sort) | grep -E '^(vllm_dist_|psm_|sem\.mp-)' \
+      | while read -r f; do rm -f "/dev/shm/$f"; done || true
+  fi
   if [ "$rc" != 0 ] && [ -d "$RUN_DIR" ]; then
     for log in "$RUN_DIR"/*.log; do echo "--- last lines of $(basename "$log")"; tail -n 15 "$log"; done
   fi
