@@ -19,42 +19,25 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import copy_task  # noqa: E402
 
-TEXT_WORDS = [
-    "the",
-    "river",
-    "north",
-    "light",
-    "stone",
-    "quiet",
-    "market",
-    "paper",
-    "engine",
-    "window",
-    "seven",
-    "garden",
-    "signal",
-    "winter",
-    "orange",
-    "bridge",
-    "letter",
-    "cloud",
-    "silver",
-    "harbor",
-]
 
-
-def build_prompts(task: str, n: int) -> list[tuple[str, str | None]]:
+def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple[str, str | None]]:
     if task == "copy":
         return [(p, a) for p, a in copy_task.heldout_prompts(n)]
+    # Any other model: text decoded from random non-special token ids of its own tokenizer,
+    # so every prompt is made of tokens the model knows, whatever the tokenizer.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    special = set(tok.all_special_ids)
+    ids = [i for i in range(len(tok)) if i not in special]
     rng = random.Random(1234)
     return [
-        (" ".join(rng.choice(TEXT_WORDS) for _ in range(rng.randint(60, 300))), None)
-        for _ in range(n)
+        (tok.decode([rng.choice(ids) for _ in range(rng.randint(60, 300))]), None) for _ in range(n)
     ]
 
 
 async def run(args: argparse.Namespace) -> None:
-    prompts = build_prompts(args.task, args.num_prompts)
+    prompts = build_prompts(args.task, args.num_prompts, args.model_dir)
     max_tokens = copy_task.answer_max_tokens() if args.task == "copy" else 16
     sem = asyncio.Semaphore(args.concurrency)
     results: list[dict | None] = [None] * len(prompts)
@@ -165,6 +148,7 @@ def main() -> int:
     r.add_argument("--url", required=True)
     r.add_argument("--model", required=True)
     r.add_argument("--task", choices=["copy", "text"], required=True)
+    r.add_argument("--model-dir", default=None, help="tokenizer for text prompts")
     r.add_argument("--num-prompts", type=int, default=64)
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--timeout", type=float, default=900)

@@ -154,7 +154,7 @@ wait_ready() {  # name port
 wait_ready prefill "$P_PORT"; wait_ready decode "$D_PORT"; wait_ready aggregated "$A_PORT"; wait_ready proxy "$X_PORT"
 
 run_prompts() {  # label url out
-  "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" \
+  "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
     --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --out "$3"
 }
 run_prompts aggregated "http://127.0.0.1:$A_PORT" "$RUN_DIR/agg.json"

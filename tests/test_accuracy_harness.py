@@ -111,3 +111,20 @@ def test_negative_control_fails_loudly():
 def test_unsupported_combination_exits_with_one_line_reason():
     rc, out = harness(DECODE_TARGET="qaic", PREFILLER_TP_SIZE="2", NUM_PROMPTS="1")
     assert rc != 0 and "unsupported:" in out
+
+
+def test_other_model_gates_on_agreement(tmp_path):
+    """Any local HF model: here random weights and another geometry (3 layers, 4 KV heads,
+    head size 64); plain-text prompts, gated on greedy agreement alone."""
+    model = tmp_path / "random-llama"
+    subprocess.run(
+        [
+            str(ROOT / ".venv" / "bin" / "python"),
+            str(ROOT / "scripts" / "make_random_model.py"),
+            str(model),
+        ],
+        check=True,
+    )
+    rc, out = harness_leaves_nothing(MODEL=str(model), NUM_PROMPTS="16", CONCURRENCY="8")
+    m = last_line(out)
+    assert rc == 0 and float(m.group(3)) == 100.0
