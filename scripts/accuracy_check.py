@@ -83,6 +83,16 @@ def metric(text: str, name: str) -> float:
     return total
 
 
+def loads_by_peer(text: str) -> dict[str, float]:
+    """``vllm:qaic_kv_loaded_requests_by_peer_total`` per ``remote_engine`` label."""
+    peers: dict[str, float] = {}
+    pattern = r'^vllm:qaic_kv_loaded_requests_by_peer_total\{.*remote_engine="([^"]*)".*\}\s+(\S+)$'
+    for line in text.splitlines():
+        if m := re.match(pattern, line):
+            peers[m.group(1)] = peers.get(m.group(1), 0.0) + float(m.group(2))
+    return peers
+
+
 def accuracy(rows: list[dict]) -> float:
     ok = sum(
         1
@@ -95,7 +105,8 @@ def accuracy(rows: list[dict]) -> float:
 def verdict(args: argparse.Namespace) -> int:
     disagg = json.loads(Path(args.disagg).read_text())
     agg = json.loads(Path(args.agg).read_text())
-    metrics = Path(args.decode_metrics).read_text()
+    per_decode = [Path(p).read_text() for p in args.decode_metrics]
+    metrics = "\n".join(per_decode)
     failures = []
     errors = [r["error"] for r in disagg if "error" in r]
     if errors:
@@ -132,6 +143,13 @@ def verdict(args: argparse.Namespace) -> int:
             f"loaded tokens ({loaded_tok:.0f}) do not cover the prompts "
             f"({prompt_tokens}) beyond local prefix hits ({local_hits:.0f})"
         )
+    if args.expect_peers:
+        for i, text in enumerate(per_decode):
+            peers = loads_by_peer(text)
+            print(f"decode {i} loaded requests by prefill engine: {peers}")
+            sources = sum(1 for n in peers.values() if n > 0)
+            if sources < args.expect_peers:
+                failures.append(f"decode {i} loaded from {sources} of {args.expect_peers} prefills")
     for f in failures:
         print(f"FAIL: {f}")
     print(
@@ -157,7 +175,10 @@ def main() -> int:
     v = sub.add_parser("verdict")
     v.add_argument("--disagg", required=True)
     v.add_argument("--agg", required=True)
-    v.add_argument("--decode-metrics", required=True)
+    v.add_argument("--decode-metrics", nargs="+", required=True, help="one file per decode")
+    v.add_argument(
+        "--expect-peers", type=int, default=0, help="each decode must load from this many prefills"
+    )
     v.add_argument("--transport", required=True)
     v.add_argument("--min-accuracy", type=float, default=0.95)
     v.add_argument("--min-agreement", type=float, default=100.0)

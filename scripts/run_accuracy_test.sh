@@ -13,6 +13,9 @@ PREFILL_BLOCK_SIZE=${PREFILL_BLOCK_SIZE:-128}
 DECODE_BLOCK_SIZE=${DECODE_BLOCK_SIZE:-128}
 PREFILLER_TP_SIZE=${PREFILLER_TP_SIZE:-1}
 DECODER_TP_SIZE=${DECODER_TP_SIZE:-1}
+# xPyD: the proxy round-robins over every (prefill, decode) pair.
+NUM_PREFILL_INSTANCES=${NUM_PREFILL_INSTANCES:-1}
+NUM_DECODE_INSTANCES=${NUM_DECODE_INSTANCES:-1}
 KV_TRANSPORT=${KV_TRANSPORT:-shm}
 DECODE_TARGET=${DECODE_TARGET:-vllm}
 KV_CACHE_PREFIX=${KV_CACHE_PREFIX:-}
@@ -34,6 +37,12 @@ case "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" in 11|21|12|22) ;;
 [ -z "$KV_CACHE_PREFIX" ] || [ "$DECODE_TARGET" = qaic ] || unsupported "KV_CACHE_PREFIX applies to DECODE_TARGET=qaic only"
 [ "$DECODE_TARGET" != qaic ] || [ "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" = 11 ] \
   || unsupported "DECODE_TARGET=qaic with TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE (the QAIC emulator is one rank and reads TP 1 prefills)"
+for n in "$NUM_PREFILL_INSTANCES" "$NUM_DECODE_INSTANCES"; do
+  [[ "$n" =~ ^[1-4]$ ]] || unsupported "NUM_PREFILL_INSTANCES/NUM_DECODE_INSTANCES=$n (1 to 4)"
+done
+XPYD=0; [ "$NUM_PREFILL_INSTANCES$NUM_DECODE_INSTANCES" = 11 ] || XPYD=1
+[ "$XPYD" = 0 ] || [ "$PREFILLER_TP_SIZE$DECODER_TP_SIZE$DECODE_TARGET" = 11vllm ] \
+  || unsupported "several instances need TP 1 and DECODE_TARGET=vllm (this machine has 2 cores)"
 [ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
 
 bash "$ROOT/scripts/setup_env.sh"
@@ -69,8 +78,11 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-P_PORT=$(free_port); D_PORT=$(free_port); A_PORT=$(free_port); X_PORT=$(free_port)
-D_KV_PORT=$(free_port)
+P_PORTS=(); D_PORTS=(); D_KV_PORTS=()
+for _ in $(seq "$NUM_PREFILL_INSTANCES"); do P_PORTS+=("$(free_port)"); done
+for _ in $(seq "$NUM_DECODE_INSTANCES"); do D_PORTS+=("$(free_port)"); D_KV_PORTS+=("$(free_port)"); done
+P_PORT=${P_PORTS[0]}; D_PORT=${D_PORTS[0]}; D_KV_PORT=${D_KV_PORTS[0]}
+A_PORT=$(free_port); X_PORT=$(free_port)
 # STAGE_AT=prefill: the proxy names the decode, so the prefill stages in its layout.
 # STAGE_AT=decode: the prefill stages in its own layout and the decode converts.
 STAGE_AT=${STAGE_AT:-prefill}
@@ -105,7 +117,7 @@ ktc() {  # role engine_id side_channel_port
 }
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
-     "TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+     "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
@@ -113,9 +125,12 @@ P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
 DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
 D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
-# shellcheck disable=SC2046
-serve prefill "$P_CORES" "$P_PORT" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p" 0)" \
-  "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
+for i in "${!P_PORTS[@]}"; do
+  [ "$XPYD" = 1 ] && P_CORES=$((i % 2))
+  # shellcheck disable=SC2046
+  serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p$i" 0)" \
+    "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
+done
 if [ "$DECODE_TARGET" = qaic ]; then
   # The QAIC decode emulator plays the decode engine on core 1: QAIC_SLOTS batch slots of
   # MAX_MODEL_LEN tokens in /dev/shm (qaic_kv_${RUN_ID}d_*), same HTTP API, its own /metrics.
@@ -124,20 +139,27 @@ if [ "$DECODE_TARGET" = qaic ]; then
              --dtype "${QAIC_DTYPE:-float32}")
   [ -n "$KV_CACHE_PREFIX" ] && QAIC_ARGS+=(--kv-cache-prefix "$KV_CACHE_PREFIX")
   [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
-  mkdir -p "$RUN_DIR/decode/tmp"
-  TMPDIR="$RUN_DIR/decode/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode/cache" \
-    setsid taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode.log" 2>&1 &
+  mkdir -p "$RUN_DIR/decode0/tmp"
+  TMPDIR="$RUN_DIR/decode0/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode0/cache" \
+    setsid taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode0.log" 2>&1 &
   PIDS+=($!)
 else
-  # shellcheck disable=SC2046
-  serve decode "$D_CORES" "$D_PORT" "$DECODE_BLOCK_SIZE" \
-    "$(ktc kv_consumer "${RUN_ID}d" "$D_KV_PORT")" $(tp_args "$DECODER_TP_SIZE")
+  for j in "${!D_PORTS[@]}"; do
+    [ "$XPYD" = 1 ] && D_CORES=$(((j + 1) % 2))
+    # shellcheck disable=SC2046
+    serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "$DECODE_BLOCK_SIZE" \
+      "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" $(tp_args "$DECODER_TP_SIZE")
+  done
 fi
-DECODE_KV_ARGS=()
-[ "$STAGE_AT" = prefill ] && DECODE_KV_ARGS=(--decode-kv "127.0.0.1:$D_KV_PORT")
+PROXY_ARGS=(--prefill) DECODE_URLS=() DECODE_KVS=()
+for port in "${P_PORTS[@]}"; do PROXY_ARGS+=("http://127.0.0.1:$port"); done
+for j in "${!D_PORTS[@]}"; do
+  DECODE_URLS+=("http://127.0.0.1:${D_PORTS[$j]}"); DECODE_KVS+=("127.0.0.1:${D_KV_PORTS[$j]}")
+done
+PROXY_ARGS+=(--decode "${DECODE_URLS[@]}")
+[ "$STAGE_AT" = prefill ] && PROXY_ARGS+=(--decode-kv "${DECODE_KVS[@]}")
 serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" "" "${DTYPE_ARGS[@]}"
-setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" \
-  --prefill "http://127.0.0.1:$P_PORT" --decode "http://127.0.0.1:$D_PORT" "${DECODE_KV_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
 wait_ready() {  # name port
@@ -151,7 +173,9 @@ wait_ready() {  # name port
   done
   echo "[harness] $1 ready after $((SECONDS - start))s"
 }
-wait_ready prefill "$P_PORT"; wait_ready decode "$D_PORT"; wait_ready aggregated "$A_PORT"; wait_ready proxy "$X_PORT"
+for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
+for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
+wait_ready aggregated "$A_PORT"; wait_ready proxy "$X_PORT"
 
 run_prompts() {  # label url out
   "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
@@ -160,12 +184,18 @@ run_prompts() {  # label url out
 run_prompts aggregated "http://127.0.0.1:$A_PORT" "$RUN_DIR/agg.json"
 run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json"
 sleep 1  # let the last step's connector stats reach the metrics endpoint
-curl -sf "http://127.0.0.1:$D_PORT/metrics" >"$RUN_DIR/decode_metrics.txt"
+METRICS=()
+for j in "${!D_PORTS[@]}"; do
+  curl -sf "http://127.0.0.1:${D_PORTS[$j]}/metrics" >"$RUN_DIR/decode${j}_metrics.txt"
+  METRICS+=("$RUN_DIR/decode${j}_metrics.txt")
+done
+# With several prefills, every decode must have loaded KV from every one of them.
+PEER_ARGS=(); [ "$NUM_PREFILL_INSTANCES" -gt 1 ] && PEER_ARGS=(--expect-peers "$NUM_PREFILL_INSTANCES")
 
 MIN_ACC=0.95; [ "$TASK" = text ] && MIN_ACC=0
 set +e
 "$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
-  --decode-metrics "$RUN_DIR/decode_metrics.txt" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
+  --decode-metrics "${METRICS[@]}" "${PEER_ARGS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
   > "$RUN_DIR/verdict.txt"
 status=$?
 set -e
@@ -174,13 +204,13 @@ if [ "$DECODE_TARGET" = qaic ]; then
   # to the aggregated run's, every slot free again. Also reports the handoff's host copies.
   set +e
   "$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
-    --decode-metrics "$RUN_DIR/decode_metrics.txt" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
+    --decode-metrics "${METRICS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
     --min-agreement 99 > "$RUN_DIR/verdict.txt"
   status=$?
   set -e
   curl -sf "http://127.0.0.1:$P_PORT/metrics" >"$RUN_DIR/prefill_metrics.txt"
   qm() { awk -v n="$2" '$1 == n || index($1, n "{") == 1 { s += $2 } END { printf "%.0f", s }' "$1"; }
-  D="$RUN_DIR/decode_metrics.txt"
+  D="$RUN_DIR/decode0_metrics.txt"
   reqs=$(qm "$D" vllm:qaic_kv_loaded_requests_total); reqs=$(( reqs > 0 ? reqs : 1 ))
   staged=$(qm "$RUN_DIR/prefill_metrics.txt" vllm:qaic_kv_bytes_copied_total)
   host=$(qm "$D" vllm:qaic_kv_bytes_copied_total); dma=$(qm "$D" vllm:qaic_kv_dma_bytes_total)

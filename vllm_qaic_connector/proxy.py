@@ -1,6 +1,7 @@
 """A minimal disaggregation proxy: prefill with ``max_tokens=1`` and ``do_remote_decode``,
 then decode with the ``kv_transfer_params`` the prefill returned. Round-robin over
-instances. Run: ``vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...]``."""
+every (prefill, decode) pair, so each decode reads from each prefill.
+Run: ``vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...]``."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ class Proxy:
     def __init__(
         self, prefills: list[str], decodes: list[str], decode_kv: list[str] | None = None
     ) -> None:
-        self._prefills = itertools.cycle(prefills)
         # Each decode optionally paired with its side channel, so the prefill can stage
         # straight into that decode's layout.
-        self._decodes: Iterator[tuple[str, str]] = itertools.cycle(
-            list(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
+        decode_targets = list(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
+        self._routes: Iterator[tuple[str, tuple[str, str]]] = itertools.cycle(
+            list(itertools.product(prefills, decode_targets))
         )
         self._session: aiohttp.ClientSession | None = None
 
@@ -35,7 +36,7 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.Response:
         path = request.path
         body = await request.json()
-        prefill_url, (decode_url, decode_kv) = next(self._prefills), next(self._decodes)
+        prefill_url, (decode_url, decode_kv) = next(self._routes)
         params: dict[str, Any] = {"do_remote_decode": True}
         if decode_kv:
             host, port = decode_kv.rsplit(":", 1)

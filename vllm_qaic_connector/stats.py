@@ -19,6 +19,10 @@ COUNTERS = {
     "bytes_copied": "KV bytes copied by the connector (staging writes and loads)",
 }
 
+# Counted per prefill engine the KV came from: ``loaded_requests_from:<engine_id>``.
+PER_PEER_PREFIX = "loaded_requests_from:"
+PER_PEER_DOC = "Requests whose prompt KV was loaded, by the prefill engine it came from"
+
 # Latest value wins when aggregating; exported as Prometheus gauges.
 GAUGES = {
     "staging_pages_in_use": "Staging pool pages held by staged requests (prefill)",
@@ -78,10 +82,19 @@ class QAICPromMetrics(KVConnectorPromMetrics):
             self._gauges[name] = {
                 idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._per_peer: Any = self._counter_cls(
+            name="vllm:qaic_kv_loaded_requests_by_peer",
+            documentation=PER_PEER_DOC,
+            labelnames=[*labelnames, "remote_engine"],
+        )
+        self._labelvalues: dict[int, list[object]] = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
-            if name in self._gauges:
+            if name.startswith(PER_PEER_PREFIX):
+                peer = name[len(PER_PEER_PREFIX) :]
+                self._per_peer.labels(*self._labelvalues[engine_idx], peer).inc(value)
+            elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
             elif name in self._counters and value:
                 self._counters[name][engine_idx].inc(value)

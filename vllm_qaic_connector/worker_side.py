@@ -29,7 +29,7 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
 from vllm_qaic_connector.transports import KVTransport, create_transport
 from vllm_qaic_connector.wire import (
@@ -71,6 +71,7 @@ class LoadResult:
     failed_blocks: frozenset[int]
     tokens: int
     bytes_copied: int
+    source_engine: str
 
 
 def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
@@ -251,16 +252,21 @@ class WorkerSide:
 
     def _load_guarded(self, spec: LoadSpec) -> None:
         acknowledged = False
+        source = spec.remote.remote_engine_id if spec.remote else ""
         try:
             copied = self._load(spec)
             # Each read carried our acknowledgement when the transport delivers messages.
             acknowledged = self.transport is not None and self.transport.delivers_notifications
             self._results.put(
-                LoadResult(spec.request_id, frozenset(), self._num_load_tokens(spec), copied)
+                LoadResult(
+                    spec.request_id, frozenset(), self._num_load_tokens(spec), copied, source
+                )
             )
         except Exception as exc:
             logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
-            self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0))
+            self._results.put(
+                LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
+            )
         finally:
             if not acknowledged:
                 self._release_remote(spec)
@@ -364,6 +370,7 @@ class WorkerSide:
                     self._stats.add("load_failures")
                 else:
                     self._stats.add("loaded_requests")
+                    self._stats.add(PER_PEER_PREFIX + result.source_engine)
                     self._stats.add("loaded_tokens", result.tokens)
                     self._stats.add("bytes_copied", result.bytes_copied)
         return None, done or None
