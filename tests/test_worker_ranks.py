@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.rank_worker import decode_rank, prefill_rank
+from tests.rank_worker import HEAD, LAYERS, decode_rank, prefill_rank
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.scheduler_side import LoadSpec, SaveSpec
 from vllm_qaic_connector.side_channel import SideChannelServer
@@ -156,6 +156,8 @@ def test_tp_handoff_bytes_match(case):
             for kv in range(2):
                 want = full_heads(results, total, p_tp, layer, kv)[mine.start : mine.stop]
                 assert np.array_equal(out["got"][layer][kv], want)
+        # Each head once: a head replicated over prefill ranks is not read twice.
+        assert out["stats"]["bytes_copied"] == 2 * LAYERS * n * len(mine) * HEAD * 4
     assert released.count("r1") == d_tp  # every decode rank acknowledged
 
 
