@@ -120,13 +120,14 @@ echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS con
      "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
+# Every prefill on core 0, every decode on core 1: over NIXL, a decode's READ from a prefill
+# whose vLLM worker spins on the same core stalls (README, known issues).
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
 # aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
 DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
 D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
 for i in "${!P_PORTS[@]}"; do
-  [ "$XPYD" = 1 ] && P_CORES=$((i % 2))
   # shellcheck disable=SC2046
   serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p$i" 0)" \
     "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
@@ -145,7 +146,6 @@ if [ "$DECODE_TARGET" = qaic ]; then
   PIDS+=($!)
 else
   for j in "${!D_PORTS[@]}"; do
-    [ "$XPYD" = 1 ] && D_CORES=$(((j + 1) % 2))
     # shellcheck disable=SC2046
     serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "$DECODE_BLOCK_SIZE" \
       "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" $(tp_args "$DECODER_TP_SIZE")
