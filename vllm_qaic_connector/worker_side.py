@@ -264,9 +264,7 @@ class WorkerSide:
             )
         except Exception as exc:
             logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
-            self._results.put(
-                LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
-            )
+            self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source))
         finally:
             if not acknowledged:
                 self._release_remote(spec)
