@@ -131,6 +131,9 @@ def test_interrupted_run_stops_everything():
         stderr=subprocess.STDOUT,
         text=True,
         stdin=subprocess.DEVNULL,
+        # A shell started in the background (as CI may start us) inherits SIGINT ignored,
+        # and bash cannot trap a signal ignored on entry: give it Ctrl-C as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     for line in proc.stdout:  # setup lines first, then the run's
