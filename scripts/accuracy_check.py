@@ -74,22 +74,27 @@ async def run(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
+def samples(text: str, name: str) -> list[tuple[str, float]]:
+    """(labels, value) of every Prometheus sample of ``name``."""
+    pattern = rf"^{re.escape(name)}(?:\{{([^}}]*)\}})?\s+([0-9.eE+-]+)$"
+    return [
+        (m.group(1) or "", float(m.group(2)))
+        for line in text.splitlines()
+        if (m := re.match(pattern, line))
+    ]
+
+
 def metric(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", line)
-        if m:
-            total += float(m.group(1))
-    return total
+    return sum(value for _, value in samples(text, name))
 
 
 def loads_by_peer(text: str) -> dict[str, float]:
-    """``vllm:qaic_kv_loaded_requests_by_peer_total`` per ``remote_engine`` label."""
+    """Loaded requests per ``remote_engine`` label (the prefill the KV came from)."""
     peers: dict[str, float] = {}
-    pattern = r'^vllm:qaic_kv_loaded_requests_by_peer_total\{.*remote_engine="([^"]*)".*\}\s+(\S+)$'
-    for line in text.splitlines():
-        if m := re.match(pattern, line):
-            peers[m.group(1)] = peers.get(m.group(1), 0.0) + float(m.group(2))
+    for labels, value in samples(text, "vllm:qaic_kv_loaded_requests_by_peer_total"):
+        peer = re.search(r'remote_engine="([^"]*)"', labels)
+        if peer:
+            peers[peer.group(1)] = peers.get(peer.group(1), 0.0) + value
     return peers
 
 

@@ -222,8 +222,7 @@ def rx_bytes(ns: str, dev: str) -> int:
 def test_across_network_namespaces_over_a_veth_link():
     """Owner and reader in two network namespaces joined by a veth pair, UCX over TCP only:
     the bytes cross a network link, not shared memory or loopback."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 `ip` is not installed (apt-get install -y iproute2)")
+    assert shutil.which("ip"), "iproute2 `ip` is missing; scripts/setup_env.sh installs it"
     ns_a, ns_b, dev_a, dev_b = f"qaicA{PID}", f"qaicB{PID}", f"qva{PID}", f"qvb{PID}"
     added = run("ip", "netns", "add", ns_a)
     if added.returncode != 0:
