@@ -31,6 +31,7 @@ from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.qaic_buffers import apply_prefix
 from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
 from vllm_qaic_connector.transports.shm import ShmTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -125,6 +126,7 @@ class Emulator:
             model=model,
             compat_hash=compat_hash(model, cfg.dtype, layers, heads, head_dim),
             endpoint=self.reader.endpoint(),
+            incarnation=new_incarnation(),
         )
         self.peers = PeerDirectory(cfg.engine_id, key, timeout_s=10.0)
         self.peers.ours = self.rank  # refuse prefills whose KV we cannot use
@@ -184,15 +186,25 @@ class Emulator:
             raise ValueError(f"{n} prompt tokens do not fit a slot of {self.target.ctx_len}")
         ranks = self.peers.get(remote.remote_host, remote.remote_port)
         src = ranks[0]
+        if src.incarnation != remote.incarnation:  # the prefill restarted: meet it again
+            self.peers.forget(remote.remote_host, remote.remote_port)
+            src = self.peers.get(remote.remote_host, remote.remote_port)[0]
         if src.engine_id != remote.remote_engine_id or len(ranks) != 1:
             raise ConnectionError(f"peer is {src.engine_id!r} with TP {len(ranks)}, want TP 1")
+        if src.incarnation != remote.incarnation:
+            raise ConnectionError(f"engine {src.engine_id} restarted since it staged the KV")
         geo = KVGeometry(
             src.num_kv_heads, src.head_size, remote.staged_block_size, torch_dtype(src.dtype)
         )
         fmt = StagingFormat(remote.staged_layout, geo, src.num_layers)
-        region = self.reader.read(src.endpoint, remote.staging_offset, fmt.request_bytes(n))
         blocks = list(range(blocks_for_tokens(n, remote.staged_block_size)))
-        written = self.target.write_slot_from_blocks(slot, fmt.layer_views(region, n), blocks, n)
+        nbytes, generation = fmt.request_bytes(n), remote.generation
+        with checked_read(
+            self.reader, src.endpoint, remote.staging_offset, nbytes, generation
+        ) as region:
+            written = self.target.write_slot_from_blocks(
+                slot, fmt.layer_views(region, n), blocks, n
+            )
         # Staged as our slot: the device DMAs [slot, :, 0:n, :] straight from the staging
         # bytes (setDataWithSlices), no host copy. Otherwise the host converts first.
         native = remote.staged_layout == "qaic_slot" and geo.block_size == self.target.ctx_len
@@ -255,6 +267,8 @@ class Emulator:
                 raise RequestError(
                     400, f"prompt is {len(prompt_ids)} tokens, staged KV {remote.num_tokens}"
                 )
+            if prompt_hash(prompt_ids) != remote.prompt_hash:
+                raise RequestError(400, "kv_transfer_params were staged for another prompt")
             slot = await self._acquire_slot()
             try:
                 host, dma = await self._run(self._io, self._bind, slot, remote)

@@ -22,6 +22,7 @@ from tests.test_accuracy_harness import harness, last_line
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
 from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, prompt_hash
 from vllm_qaic_connector.transports.shm import SHM_DIR, ShmTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -55,6 +56,8 @@ class FakePrefill:
     def __init__(self, tag: str) -> None:
         self.transport = ShmTransport(f"qaic_kv_{tag}pf_r0", 4 << 20)
         self.released: list[str] = []
+        self.headers = RegionHeaders(self.transport.staging)
+        self.generation = 1 << 32
         self.server = SideChannelServer("127.0.0.1", 0, self._handle, None)
 
     def _handle(self, msg: Message) -> Message:
@@ -65,6 +68,7 @@ class FakePrefill:
         rank = RankMetadata(
             "pf", 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
             compat_hash("tiny-copy", "float32", L, H, D), self.transport.endpoint(),
+            "inc0",
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])
 
@@ -75,11 +79,13 @@ class FakePrefill:
             cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
         n = len(ids)
         fmt = StagingFormat(layout, KVGeometry(H, D, block, torch.float32), L)
-        region = self.transport.staging[: fmt.request_bytes(n)]
-        region.zero_()
+        self.generation += 1
         dst_blocks = list(range(blocks_for_tokens(n, block)))
-        for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
-            copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
+        end = HEADER_BYTES + fmt.request_bytes(n)
+        with self.headers.writing(0, end, self.generation) as region:
+            region.zero_()
+            for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
+                copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id="pf",
@@ -90,6 +96,10 @@ class FakePrefill:
             staging_offset=0,
             staged_layout=layout,
             staged_block_size=block,
+            incarnation="inc0",
+            generation=self.generation,
+            prompt_hash=prompt_hash(ids),
+            lease_s=60.0,
         )
         return msgspec.to_builtins(params)
 

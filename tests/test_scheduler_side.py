@@ -11,6 +11,7 @@ from vllm.v1.request import RequestStatus
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
+from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
@@ -21,11 +22,11 @@ from vllm_qaic_connector.wire import (
 BS = 16
 
 
-def rank_meta(engine_id: str = "eng") -> RankMetadata:
+def rank_meta(engine_id: str = "eng", tp_rank: int = 0, tp_size: int = 1) -> RankMetadata:
     return RankMetadata(
         engine_id=engine_id,
-        tp_rank=0,
-        tp_size=1,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
         layout_kind="vllm_cpu",
         block_size=BS,
         num_blocks=64,
@@ -36,6 +37,7 @@ def rank_meta(engine_id: str = "eng") -> RankMetadata:
         model="tiny-copy",
         compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
         endpoint=TransportEndpoint("shm", "x", 1 << 20),
+        incarnation="feedfacefeedface",
     )
 
 
@@ -136,7 +138,8 @@ def test_lease_expires_without_release():
         sched.connector.shutdown()
 
 
-ONE_PAGE = {"staging_bytes": 16384, "staging_page_bytes": 16384}  # 16 tokens x 2 layers
+# One page: the header and 16 tokens x 2 layers of KV.
+ONE_PAGE = {"staging_bytes": 16384 + HEADER_BYTES, "staging_page_bytes": 16384 + HEADER_BYTES}
 
 
 def test_full_pool_gives_a_clear_error_after_the_bounded_wait():
@@ -175,17 +178,22 @@ def test_full_pool_back_pressure_waits_then_stages():
         sched.connector.shutdown()
 
 
-def remote_params(n: int) -> dict:
+def remote_params(n: int, first: int = 5, port: int = 1, lease_s: float = 120.0) -> dict:
+    """What a prefill returns for ``make_request(..., n, first=first)``'s prompt."""
     return {
         "do_remote_prefill": True,
         "remote_engine_id": "eng",
         "remote_host": "127.0.0.1",
-        "remote_port": 1,
+        "remote_port": port,
         "remote_request_id": "p1",
         "num_tokens": n,
         "staging_offset": 0,
         "staged_layout": "vllm_cpu",
         "staged_block_size": 128,
+        "incarnation": "feedfacefeedface",
+        "generation": 1 << 32,
+        "prompt_hash": prompt_hash(make_request("x", n, first=first).prompt_token_ids),
+        "lease_s": lease_s,
     }
 
 
@@ -314,3 +322,98 @@ def test_staging_is_freed_only_when_every_decode_rank_acknowledged(prefill):
     assert pool.has("k1")  # rank 1 may still be reading
     side_channel.call(host, port, ReleaseRequest(["k1"], 1, 2), None, 5.0)
     assert not pool.has("k1")
+
+
+def test_params_staged_for_another_prompt_become_a_load_error(decode):
+    """A's prompt with B's ticket (same length, other tokens): never loaded as A's KV."""
+    decode.add_request(make_request("pa", 45, remote_params(45, first=9)))
+    out, _ = step(decode)
+    (load,) = meta(out).loads
+    assert load.remote is None and "another prompt" in load.error
+
+
+def test_prefill_ticket_binds_prompt_and_generation(prefill):
+    prefill.add_request(make_request("g1", 40, {"do_remote_decode": True}))
+    prefill.add_request(make_request("g2", 40, {"do_remote_decode": True}, first=70))
+    out, outputs = step(prefill)
+    saves = {s.request_id: s for s in meta(out).saves}
+    p1, p2 = params_of(outputs, "g1"), params_of(outputs, "g2")
+    assert p1["generation"] == saves["g1"].generation != p2["generation"] > 0
+    assert p1["prompt_hash"] == prompt_hash(make_request("x", 40).prompt_token_ids)
+    assert p1["prompt_hash"] != p2["prompt_hash"]
+    assert p1["incarnation"] == "feedfacefeedface" and p1["lease_s"] == 60.0
+    # The region holds a header before the KV.
+    pool = prefill.connector.scheduler.pool
+    assert pool.pages_for(HEADER_BYTES + 3 * BS * 2 * 2 * 2 * 32 * 4) >= 1
+
+
+def test_released_regions_are_invalidated_at_the_next_step(prefill):
+    prefill.add_request(make_request("v1", 40, {"do_remote_decode": True}))
+    _, outputs = step(prefill)
+    params = params_of(outputs, "v1")
+    side_channel.call(
+        params["remote_host"], params["remote_port"], ReleaseRequest(["v1"]), None, 5.0
+    )
+    out, _ = step(prefill)
+    assert meta(out).invalidate == [params["staging_offset"]]
+    out, _ = step(prefill)
+    assert meta(out).invalidate == []
+
+
+@pytest.mark.parametrize(
+    "heads,src_tp,dst_tp",
+    [(2, 2, 1), (2, 1, 2), (2, 2, 2), (4, 2, 4), (2, 4, 1)],
+    ids=["P2-D1", "P1-D2", "P2-D2", "P2-D4", "GQA-P4-D1"],
+)
+def test_staging_freed_only_after_every_read_pair(heads, src_tp, dst_tp):
+    """NIXL acknowledgements, one per (decode rank, prefill rank) read, fed one at a time
+    through update_connector_output: the staging goes with the last needed one."""
+    from vllm_qaic_connector.tp_mapping import head_sources
+
+    sched = make_scheduler("kv_producer", BS)
+    side = sched.connector.scheduler
+    side.set_rank_metadata(
+        [
+            msgspec_replace(rank_meta(tp_rank=r, tp_size=src_tp), num_kv_heads=heads)
+            for r in range(src_tp)
+        ]
+    )
+    try:
+        sched.add_request(make_request("q1", 40, {"do_remote_decode": True}))
+        step(sched)
+        pairs = [
+            (d, s.src_rank)
+            for d in range(dst_tp)
+            for s in head_sources(heads, src_tp, dst_tp, d)
+        ]
+        assert len(pairs) >= 2
+        for i, (d, src) in enumerate(pairs):
+            assert side.pool.has("q1"), f"freed before read {i} of {len(pairs)}"
+            ack = ReleaseRequest(["q1"], d, dst_tp, [src])
+            side.update_connector_output(None, [ack, ack])  # a repeat counts once
+        assert not side.pool.has("q1")
+    finally:
+        sched.connector.shutdown()
+
+
+def test_leases_renewed_while_the_decode_wants_the_kv(decode):
+    """The prefill's lease is 0.6 s; a decode that still waits on the KV renews it, and
+    once the decode is done (or gone) it runs out."""
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 0.6})
+    side = sched.connector.scheduler
+    side.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        _, outputs = step(sched)
+        params = params_of(outputs, "p1")
+        decode.add_request(make_request("d1", 45, params, max_tokens=3))
+        step(decode)  # the load is handed to the worker, which has not finished it
+        time.sleep(2.0)
+        side.pool.expire()
+        assert side.pool.has("p1"), "the lease ran out while the decode still wanted it"
+        step(decode, KVConnectorOutput(finished_recving={"d1"}))  # loaded: renewals stop
+        time.sleep(1.5)
+        side.pool.expire()
+        assert not side.pool.has("p1")
+    finally:
+        sched.connector.shutdown()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 
@@ -15,7 +16,7 @@ SIZE = 1 << 20
 
 
 def _owner(name: str, ready, done) -> None:
-    t = create_transport("shm", name, SIZE)
+    t = create_transport("shm", name, SIZE, 5.0)
     t.staging[:] = torch.arange(SIZE, dtype=torch.int64).remainder(251).to(torch.uint8)
     ready.put(t.endpoint())
     done.get(timeout=30)
@@ -30,7 +31,7 @@ def test_peer_reads_owner_bytes_without_copy_and_nothing_leaks():
     proc.start()
     try:
         endpoint = ready.get(timeout=60)
-        reader = create_transport("shm", name + "_reader", SIZE)
+        reader = create_transport("shm", name + "_reader", SIZE, 5.0)
         got = reader.read(endpoint, 4096, 8192)
         want = torch.arange(4096, 4096 + 8192).remainder(251).to(torch.uint8)
         assert torch.equal(got, want)
@@ -49,7 +50,7 @@ def test_peer_reads_owner_bytes_without_copy_and_nothing_leaks():
 
 
 def test_segment_of_a_gone_peer_is_a_connection_error():
-    reader = create_transport("shm", f"qaic_kv_test_r_{os.getpid()}", 4096)
+    reader = create_transport("shm", f"qaic_kv_test_r_{os.getpid()}", 4096, 5.0)
     try:
         from vllm_qaic_connector.wire import TransportEndpoint
 
@@ -61,9 +62,47 @@ def test_segment_of_a_gone_peer_is_a_connection_error():
 
 def test_name_clash_is_refused():
     name = f"qaic_kv_test_clash_{os.getpid()}"
-    first = create_transport("shm", name, 4096)
+    first = create_transport("shm", name, 4096, 5.0)
     try:
         with pytest.raises(FileExistsError):
-            create_transport("shm", name, 4096)
+            create_transport("shm", name, 4096, 5.0)
     finally:
         first.close()
+
+
+def _hold(name: str, ready) -> None:
+    create_transport("shm", name, 4096, 5.0)
+    ready.put(1)
+    import time
+
+    time.sleep(120)  # until killed
+
+
+def test_segments_of_dead_incarnations_are_reclaimed_never_live_ones():
+    """An engine SIGKILLed leaves its segment; the next start with the same engine id
+    reclaims it (its creator's flock is gone), and leaves a live engine's segment alone."""
+    import signal
+
+    stem = f"qaic_kv_test_rc{os.getpid()}_r0_"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    dead = ctx.Process(target=_hold, args=(stem + "dead", ready))
+    live = ctx.Process(target=_hold, args=(stem + "live", ready))
+    dead.start()
+    live.start()
+    try:
+        ready.get(timeout=60)
+        ready.get(timeout=60)
+        os.kill(dead.pid, signal.SIGKILL)
+        dead.join(30)
+        assert os.path.exists(os.path.join(SHM_DIR, stem + "dead"))  # SIGKILL left it
+        restarted = create_transport("shm", stem + "new", 4096, 5.0)
+        assert not os.path.exists(os.path.join(SHM_DIR, stem + "dead"))
+        assert os.path.exists(os.path.join(SHM_DIR, stem + "live"))
+        restarted.close()
+    finally:
+        live.kill()
+        live.join(30)
+        for suffix in ("dead", "live", "new"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, stem + suffix))

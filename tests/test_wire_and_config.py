@@ -93,6 +93,10 @@ def good_params() -> dict:
         "staging_offset": 0,
         "staged_layout": "vllm_cpu",
         "staged_block_size": 128,
+        "incarnation": "0123456789abcdef",
+        "generation": 7 << 32,
+        "prompt_hash": "0" * 32,
+        "lease_s": 120.0,
         "extra_field_from_a_newer_proxy": 1,
     }
 
@@ -107,6 +111,14 @@ def test_remote_prefill_params_parse():
         ("remote_port", "not-a-port", "remote_port"),
         ("num_tokens", -3, "num_tokens"),
         ("remote_host", None, "remote_host"),
+        ("remote_port", -1, "remote_port must be in 1..65535, got -1"),
+        ("remote_port", 70000, "remote_port"),
+        ("remote_host", "bad host!", "remote_host is not a host name"),
+        ("staged_layout", "weird", "staged_layout 'weird' is unknown"),
+        ("staged_block_size", 0, "staged_block_size"),
+        ("generation", 0, "generation"),
+        ("prompt_hash", "xyz", "prompt_hash"),
+        ("lease_s", -1.0, "lease_s"),
     ],
 )
 def test_malformed_params_name_the_field(field, value, msg):

@@ -51,10 +51,14 @@ def run_handoff(
     first_token=0,
     d_head_size=32,
     transport="shm",
+    stale=0,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
-    save = SaveSpec("r1", list(range(n_src_blocks, 0, -1)), num_tokens, 4096, p_layout, p_block)
+    generation = (5 << 32) + 1
+    save = SaveSpec(
+        "r1", list(range(n_src_blocks, 0, -1)), num_tokens, 4096, p_layout, p_block, generation
+    )
     procs, pre = start_ranks(
         prefill_rank,
         p_tp,
@@ -89,6 +93,10 @@ def run_handoff(
         staging_offset=4096,
         staged_layout=p_layout,
         staged_block_size=p_block,
+        incarnation=ranks[0].incarnation,
+        generation=generation + stale,
+        prompt_hash="0" * 32,  # the decode's scheduler checks it, not the worker
+        lease_s=60.0,
     )
     dprocs, dec = start_ranks(
         decode_rank,
@@ -193,3 +201,16 @@ def test_nixl_handoff_acknowledged_by_notification():
         for kv in range(2):
             assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 2, layer, kv))
     assert acks == ["r1@0/1"]  # from both prefill ranks' agents, one reader rank
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_ticket_of_another_generation_is_a_load_error(transport):
+    """The staged region's header holds another generation (the region was reused): the
+    load fails and reports its blocks, whatever the transport."""
+    _, outs, released = run_handoff(
+        4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, transport=transport, stale=1
+    )
+    out = outs[0]
+    assert out["done"] == {"d1"} and out["errors"] == {3, 4, 5}
+    assert out["stats"].get("load_failures") == 1
+    assert "r1" in released  # given up over the side channel: the prefill frees it

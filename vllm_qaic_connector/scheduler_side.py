@@ -15,10 +15,13 @@ from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
 from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
+from vllm_qaic_connector.tp_mapping import head_sources, reads_needed
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -29,6 +32,7 @@ from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
     RemotePrefill,
+    RenewRequest,
     parse_remote_prefill,
 )
 
@@ -45,7 +49,8 @@ logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is 
 @dataclass(frozen=True)
 class SaveSpec:
     """Stage tokens ``[0, num_tokens)`` held in ``block_ids`` at ``staging_offset``, laid out
-    as ``layout_kind`` blocks of ``block_size`` tokens (the decode's, when it is known)."""
+    as ``layout_kind`` blocks of ``block_size`` tokens (the decode's, when it is known),
+    under a header holding ``generation``."""
 
     request_id: str
     block_ids: list[int]
@@ -53,6 +58,7 @@ class SaveSpec:
     staging_offset: int
     layout_kind: str
     block_size: int
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,8 @@ class LoadSpec:
 class QAICConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    # Staged regions given up (released, expired) whose headers the worker invalidates.
+    invalidate: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,7 @@ class _Outgoing:
     waiting_since: float
     target: StagingTarget | None = None
     offset: int | None = None
+    generation: int = 0
     error: str | None = None
 
 
@@ -115,8 +124,11 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._outgoing: dict[str, _Outgoing] = {}
-        self._acks: dict[str, set[int]] = {}  # decode ranks that acknowledged a staged request
+        # (decode rank, prefill rank) reads acknowledged, per staged request
+        self._acks: dict[str, set[tuple[int, int]]] = {}
         self._acks_lock = threading.Lock()
+        self._generations = Generations()
+        self._renewer = LeaseRenewer(cfg.shared_key, cfg.handshake_timeout_s)
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
@@ -145,8 +157,12 @@ class SchedulerSide:
             return HandshakeReply(PROTOCOL_VERSION, self._ranks)
         if isinstance(msg, ReleaseRequest):
             for rid in msg.request_ids:
-                self._acknowledge(rid, msg.reader_rank, msg.reader_tp)
+                self._acknowledge(rid, msg)
             self._expire_leases()
+            return Ok()
+        if isinstance(msg, RenewRequest):
+            for rid in msg.request_ids:
+                self.pool.renew(rid)
             return Ok()
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
@@ -156,11 +172,24 @@ class SchedulerSide:
                 self._acks.pop(rid, None)
             logger.warning("QAICConnector: staging lease of request %s expired", rid)
 
-    def _acknowledge(self, rid: str, reader_rank: int, reader_tp: int) -> None:
+    def _acknowledge(self, rid: str, ack: ReleaseRequest) -> None:
+        """Frees the staging once every (decode rank, prefill rank) read is done: each
+        prefill rank staged its own heads, and TP decode ranks read at their own pace."""
+        total_heads = self._ranks[0].num_kv_heads if self._ranks else 1
+        src_tp = max(len(self._ranks), 1)
+        try:
+            needed = reads_needed(total_heads, src_tp, ack.reader_tp)
+            sources = ack.source_ranks
+            if sources is None:
+                mine = head_sources(total_heads, src_tp, ack.reader_tp, ack.reader_rank)
+                sources = [s.src_rank for s in mine]
+        except ValueError as exc:
+            logger.warning("QAICConnector: ignoring acknowledgement of %s: %s", rid, exc)
+            return
         with self._acks_lock:
-            readers = self._acks.setdefault(rid, set())
-            readers.add(reader_rank)
-            if len(readers) < reader_tp:
+            done = self._acks.setdefault(rid, set())
+            done.update((ack.reader_rank, s) for s in sources)
+            if not needed <= done:
                 return
             del self._acks[rid]
         self.pool.release(rid)
@@ -177,14 +206,21 @@ class SchedulerSide:
             return 0, False
         remote: RemotePrefill | None = None
         error: str | None = None
+        prompt = request.prompt_token_ids or []
         try:
-            remote = parse_remote_prefill(params)
-            if remote.num_tokens > len(request.prompt_token_ids or ()):
+            parsed = parse_remote_prefill(params)
+            num_tokens = parsed.num_tokens
+            if num_tokens > len(prompt):
                 raise ValueError(
-                    f"malformed kv_transfer_params: num_tokens={remote.num_tokens} exceeds "
-                    f"the prompt ({len(request.prompt_token_ids or ())} tokens)"
+                    f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
+                    f"the prompt ({len(prompt)} tokens)"
                 )
-            num_tokens = remote.num_tokens
+            if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
+                raise ValueError(
+                    "kv_transfer_params were staged for another prompt (prompt_hash differs)"
+                )
+            remote = parsed  # only a ticket that checks out is used, renewed or released
+            self._renewer.want(request.request_id, remote)
         except ValueError as exc:
             # Still claim the tokens: the worker reports their blocks as load errors, so
             # vLLM's kv_load_failure_policy decides, as for every other failed load.
@@ -228,7 +264,8 @@ class SchedulerSide:
         per_token = self.bytes_per_block_all_layers // self.block_size
         blocks = blocks_for_tokens(request.num_prompt_tokens, out.target.block_size)
         try:
-            offset = self.pool.allocate(rid, blocks * out.target.block_size * per_token)
+            kv_bytes = blocks * out.target.block_size * per_token
+            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
         except ValueError as exc:
             out.error = str(exc)
             return 0, False
@@ -241,7 +278,7 @@ class SchedulerSide:
             )
             logger.warning("QAICConnector: request %s: %s", rid, out.error)
             return 0, False
-        out.offset = offset
+        out.offset, out.generation = offset, self._generations.take()
         return 0, False
 
     def _resolve_target(
@@ -299,6 +336,7 @@ class SchedulerSide:
                 outgoing.offset,
                 outgoing.target.layout_kind,
                 outgoing.target.block_size,
+                outgoing.generation,
             )
             self._staged[rid] = spec
             saves.append(spec)
@@ -309,6 +347,7 @@ class SchedulerSide:
         meta = QAICConnectorMetadata(
             saves=self._saves_for_step(scheduler_output),
             loads=list(self._pending_loads.values()),
+            invalidate=self.pool.drain_freed(),
         )
         self._loading.update(self._pending_loads)
         self._pending_loads.clear()
@@ -318,9 +357,11 @@ class SchedulerSide:
         self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
     ) -> None:
         self._loading.difference_update(finished_recving or ())
+        for rid in finished_recving or ():
+            self._renewer.drop(rid)
         for ack in acks:  # acknowledgements that came with NIXL reads
             for rid in ack.request_ids:
-                self._acknowledge(rid, ack.reader_rank, ack.reader_tp)
+                self._acknowledge(rid, ack)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         rid = request.request_id
@@ -328,6 +369,7 @@ class SchedulerSide:
         self._matched.pop(rid, None)
         out = self._outgoing.pop(rid, None)
         self._pending_loads.pop(rid, None)
+        self._renewer.drop(rid)
         if rid in self._loading:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
             # when the worker reports the load finished.
@@ -354,6 +396,10 @@ class SchedulerSide:
             staging_offset=spec.staging_offset,
             staged_layout=spec.layout_kind,
             staged_block_size=spec.block_size,
+            incarnation=self._ranks[0].incarnation if self._ranks else "",
+            generation=spec.generation,
+            prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
+            lease_s=self.cfg.lease_s,
         )
         # The save ran in the step that finished the prompt, so the blocks can go now.
         return False, msgspec.to_builtins(params)
@@ -365,4 +411,5 @@ class SchedulerSide:
         return stats
 
     def shutdown(self) -> None:
+        self._renewer.close()
         self._server.close()

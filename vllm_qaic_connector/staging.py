@@ -32,6 +32,7 @@ class StagingPool:
         self.lease_s = lease_s
         self._free = [True] * num_pages
         self._leases: dict[str, Lease] = {}
+        self._freed: list[int] = []  # offsets given up since `drain_freed`
         self._lock = threading.Lock()
 
     def pages_for(self, num_bytes: int) -> int:
@@ -72,7 +73,15 @@ class StagingPool:
                 return False
             for p in range(lease.first_page, lease.first_page + lease.num_pages):
                 self._free[p] = True
+            self._freed.append(lease.first_page * self.page_bytes)
             return True
+
+    def drain_freed(self) -> list[int]:
+        """Offsets of regions released or expired since the last call (their headers must
+        be invalidated, so a late reader sees they are gone)."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+            return freed
 
     def expire(self, now: float | None = None) -> list[str]:
         """Release every lease past its deadline; returns their request ids."""

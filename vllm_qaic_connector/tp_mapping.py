@@ -46,3 +46,12 @@ def head_sources(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> l
     if next_head != want.stop:
         raise ValueError(f"TP {src_tp}->{dst_tp}: no prefill rank holds heads {next_head}..")
     return sources
+
+
+def reads_needed(total_heads: int, src_tp: int, dst_tp: int) -> frozenset[tuple[int, int]]:
+    """Every (decode rank, prefill rank) read a handoff between these TP sizes takes."""
+    return frozenset(
+        (dst, source.src_rank)
+        for dst in range(dst_tp)
+        for source in head_sources(total_heads, src_tp, dst_tp, dst)
+    )

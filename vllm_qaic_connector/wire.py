@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
+HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
 class TransportEndpoint(msgspec.Struct, frozen=True):
@@ -37,6 +40,7 @@ class RankMetadata(msgspec.Struct, frozen=True):
     model: str
     compat_hash: str
     endpoint: TransportEndpoint
+    incarnation: str = ""  # fresh at every engine start; tickets name it
 
 
 COMPAT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_size")
@@ -72,17 +76,25 @@ class HandshakeReply(msgspec.Struct, tag="handshake_reply", frozen=True):
 
 
 class ReleaseRequest(msgspec.Struct, tag="release", frozen=True):
-    """Decode rank ``reader_rank`` of ``reader_tp`` has the KV (or gave up). The staging is
-    freed once every reader rank said so: with TP, ranks read at their own pace."""
+    """Decode rank ``reader_rank`` of ``reader_tp`` is done with the prefill ranks
+    ``source_ranks`` (None: every rank it reads from). The staging is freed once every
+    (reader rank, source rank) pair that the two TP sizes need said so."""
 
     request_ids: list[str]
     reader_rank: int = 0
     reader_tp: int = 1
+    source_ranks: list[int] | None = None
 
 
-def ack_message(request_id: str, reader_rank: int, reader_tp: int) -> bytes:
-    """The notification a reader attaches to its read: a one-request ReleaseRequest."""
-    return _encoder.encode(ReleaseRequest([request_id], reader_rank, reader_tp))
+class RenewRequest(msgspec.Struct, tag="renew", frozen=True):
+    """A decode still wants these requests' KV (queued, or waiting for blocks)."""
+
+    request_ids: list[str]
+
+
+def ack_message(request_id: str, reader_rank: int, reader_tp: int, source_rank: int) -> bytes:
+    """The notification a reader attaches to its read of one source rank."""
+    return _encoder.encode(ReleaseRequest([request_id], reader_rank, reader_tp, [source_rank]))
 
 
 def parse_ack(message: bytes) -> ReleaseRequest | None:
@@ -100,7 +112,7 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-Message = HandshakeRequest | HandshakeReply | ReleaseRequest | Ok | ErrorReply
+Message = HandshakeRequest | HandshakeReply | ReleaseRequest | RenewRequest | Ok | ErrorReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _MAC_LEN = 32
@@ -127,7 +139,8 @@ def decode_message(frame: bytes, key: bytes | None) -> Message:
 
 
 class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
-    """``kv_transfer_params`` of a decode request: where its prompt KV is staged."""
+    """``kv_transfer_params`` of a decode request: where its prompt KV is staged, and the
+    ticket that proves it still is (see tickets.py)."""
 
     do_remote_prefill: bool
     remote_engine_id: str
@@ -138,6 +151,10 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     staging_offset: int
     staged_layout: str
     staged_block_size: int
+    incarnation: str  # the prefill engine's start; a restart invalidates every ticket
+    generation: int  # repeated in the staged region's header while the region is ours
+    prompt_hash: str  # of token ids [0, num_tokens): KV of another prompt is never used
+    lease_s: float  # the prefill frees the region this long after the last renewal
 
 
 class StagedPrefill(RemotePrefill, frozen=True, kw_only=True):
@@ -152,8 +169,24 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
         parsed = msgspec.convert(params, RemotePrefill, strict=False, from_attributes=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"malformed kv_transfer_params: {exc}") from None
-    if parsed.num_tokens <= 0 or parsed.staging_offset < 0:
-        raise ValueError(
-            "malformed kv_transfer_params: num_tokens must be > 0 and staging_offset >= 0"
-        )
+    problem = _remote_prefill_problem(parsed)
+    if problem:
+        raise ValueError(f"malformed kv_transfer_params: {problem}")
     return parsed
+
+
+def _remote_prefill_problem(p: RemotePrefill) -> str | None:
+    from vllm_qaic_connector.layout import LAYOUTS
+
+    checks = [
+        (p.num_tokens > 0, f"num_tokens must be > 0, got {p.num_tokens}"),
+        (p.staging_offset >= 0, f"staging_offset must be >= 0, got {p.staging_offset}"),
+        (0 < p.remote_port < 65536, f"remote_port must be in 1..65535, got {p.remote_port}"),
+        (HOST_RE.fullmatch(p.remote_host), f"remote_host is not a host name: {p.remote_host!r}"),
+        (p.staged_layout in LAYOUTS, f"staged_layout {p.staged_layout!r} is unknown"),
+        (p.staged_block_size > 0, f"staged_block_size must be > 0, got {p.staged_block_size}"),
+        (p.generation > 0, f"generation must be > 0, got {p.generation}"),
+        (HASH_RE.fullmatch(p.prompt_hash), "prompt_hash must be 32 lowercase hex digits"),
+        (p.lease_s > 0, f"lease_s must be > 0, got {p.lease_s}"),
+    ]
+    return next((why for ok, why in checks if not ok), None)

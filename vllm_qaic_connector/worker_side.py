@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,14 +25,23 @@ from vllm_qaic_connector.layout import (
     copy_tokens,
     get_layout,
 )
+from vllm_qaic_connector.loader import Loader, WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
+from vllm_qaic_connector.tickets import (
+    HEADER_BYTES,
+    RegionHeaders,
+    StaleTicket,
+    checked_read,
+    new_incarnation,
+)
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
 from vllm_qaic_connector.transports import KVTransport, create_transport
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
+    RemotePrefill,
     ack_message,
     compat_hash,
     parse_ack,
@@ -119,9 +126,10 @@ class WorkerSide:
         self.layers: list[Views] = []
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
+        self.incarnation = new_incarnation()
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qaic-kv-load")
-        self._results: queue.SimpleQueue[LoadResult] = queue.SimpleQueue()
+        self._loader = Loader(self._load, self._failed, cfg.load_timeout_s)
+        self._headers: RegionHeaders | None = None
         self._load_errors: set[int] = set()
         self._stats = QAICConnectorStats()
         self._stats_lock = threading.Lock()
@@ -169,9 +177,12 @@ class WorkerSide:
                 self.geometry.block_size, self.geometry.head_size, self.geometry.dtype
             )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
-        name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}"
-        self.transport = create_transport(self.cfg.transport, name, self.cfg.staging_bytes)
+        name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}_{self.incarnation}"
+        self.transport = create_transport(
+            self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s
+        )
         self.transport.register_kv_caches(tensors)
+        self._headers = RegionHeaders(self.transport.staging)
         model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
         total_heads = self.identity.total_kv_heads
@@ -193,6 +204,7 @@ class WorkerSide:
                 model, dtype, len(tensors), total_heads, self.geometry.head_size
             ),
             endpoint=self.transport.endpoint(),
+            incarnation=self.incarnation,
         )
         self.peers.ours = self.rank_meta
         logger.info(
@@ -216,25 +228,29 @@ class WorkerSide:
         if self._metadata is None:
             return
         for spec in self._metadata.loads:
-            self._loader.submit(self._load_guarded, spec)
+            self._loader.submit(spec)
 
     def wait_for_save(self) -> None:
-        if self._metadata is None:
+        if self._metadata is None or self._headers is None:
             return
+        for offset in self._metadata.invalidate:
+            self._headers.invalidate(offset)
         for spec in self._metadata.saves:
             self._save(spec)
 
     def _save(self, spec: SaveSpec) -> None:
         """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
-        assert self.transport is not None
+        assert self._headers is not None
         geometry = dataclasses.replace(self.geometry, block_size=spec.block_size)
         fmt = StagingFormat(spec.layout_kind, geometry, len(self.layers))
-        nbytes = fmt.request_bytes(spec.num_tokens)
-        region = self.transport.staging[spec.staging_offset : spec.staging_offset + nbytes]
+        start = spec.staging_offset
+        end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
         written = 0
-        for src, dst in zip(self.layers, fmt.layer_views(region, spec.num_tokens), strict=True):
-            written += copy_tokens(src, spec.block_ids, dst, staged_blocks, 0, spec.num_tokens)
+        with self._headers.writing(start, end, spec.generation) as region:
+            views = fmt.layer_views(region, spec.num_tokens)
+            for src, dst in zip(self.layers, views, strict=True):
+                written += copy_tokens(src, spec.block_ids, dst, staged_blocks, 0, spec.num_tokens)
         with self._stats_lock:
             self._stats.add("saved_requests")
             self._stats.add("saved_tokens", spec.num_tokens)
@@ -242,32 +258,29 @@ class WorkerSide:
 
     # --- loads --------------------------------------------------------------------------------
 
-    def _peer_ranks(self, host: str, port: int, engine_id: str) -> list[RankMetadata]:
+    def _peer_ranks(self, remote: RemotePrefill) -> list[RankMetadata]:
+        """The prefill's ranks as of the ticket's incarnation: a peer that restarted since
+        we last met it is handshaken afresh, and its old mappings are dropped."""
+        host, port = remote.remote_host, remote.remote_port
         ranks = self.peers.get(host, port)
-        if ranks[0].engine_id != engine_id:
+        if ranks[0].incarnation != remote.incarnation:
+            assert self.transport is not None
+            for old in ranks:
+                self.transport.forget_peer(old.endpoint)
+            self.peers.forget(host, port)
+            ranks = self.peers.get(host, port)
+        if ranks[0].engine_id != remote.remote_engine_id:
             raise ConnectionError(
-                f"{host}:{port} is engine {ranks[0].engine_id!r}, not {engine_id!r}"
+                f"{host}:{port} is engine {ranks[0].engine_id!r}, not {remote.remote_engine_id!r}"
             )
+        if ranks[0].incarnation != remote.incarnation:
+            raise StaleTicket(f"engine {remote.remote_engine_id} restarted since it staged the KV")
         return ranks
 
-    def _load_guarded(self, spec: LoadSpec) -> None:
-        acknowledged = False
+    def _failed(self, spec: LoadSpec, reason: str) -> LoadResult:
+        self._loader.background(self._release_remote, spec)  # may run on the engine's thread
         source = spec.remote.remote_engine_id if spec.remote else ""
-        try:
-            copied = self._load(spec)
-            # Each read carried our acknowledgement when the transport delivers messages.
-            acknowledged = self.transport is not None and self.transport.delivers_notifications
-            self._results.put(
-                LoadResult(
-                    spec.request_id, frozenset(), self._num_load_tokens(spec), copied, source
-                )
-            )
-        except Exception as exc:
-            logger.error("QAICConnector: KV load of request %s failed: %s", spec.request_id, exc)
-            self._results.put(LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source))
-        finally:
-            if not acknowledged:
-                self._release_remote(spec)
+        return LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
 
     @staticmethod
     def _num_load_tokens(spec: LoadSpec) -> int:
@@ -279,12 +292,13 @@ class WorkerSide:
         first = spec.first_token // bs
         return frozenset(spec.block_ids[first : blocks_for_tokens(end, bs)])
 
-    def _load(self, spec: LoadSpec) -> int:
+    def _load(self, spec: LoadSpec, gate: WriteGate) -> LoadResult:
+        """Reads each source rank's staged heads (ticket-checked) into our blocks."""
         if spec.error is not None or spec.remote is None:
             raise ValueError(spec.error or "no remote prefill")
         assert self.transport is not None
         remote = spec.remote
-        ranks = self._peer_ranks(remote.remote_host, remote.remote_port, remote.remote_engine_id)
+        ranks = self._peer_ranks(remote)
         total = self.identity.total_kv_heads
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
         copied = 0
@@ -298,15 +312,24 @@ class WorkerSide:
                 self.geometry.dtype,
             )
             fmt = StagingFormat(remote.staged_layout, src_geo, src_rank.num_layers)
-            nbytes = fmt.request_bytes(remote.num_tokens)
-            ack = ack_message(remote.remote_request_id, self.tp_rank, self.tp_size)
-            region = self.transport.read(
-                src_rank.endpoint, remote.staging_offset, nbytes, notify=ack
+            # The acknowledgement rides on the last read of this source rank, when the
+            # transport carries messages; otherwise it goes over the side channel below.
+            notify = ack_message(
+                remote.remote_request_id, self.tp_rank, self.tp_size, source.src_rank
             )
-            try:
-                for src, dst in zip(
-                    fmt.layer_views(region, remote.num_tokens), self.layers, strict=True
-                ):
+            with (
+                checked_read(
+                    self.transport,
+                    src_rank.endpoint,
+                    remote.staging_offset,
+                    fmt.request_bytes(remote.num_tokens),
+                    remote.generation,
+                    notify if self.transport.delivers_notifications else None,
+                ) as region,
+                gate.writing(),
+            ):
+                views = fmt.layer_views(region, remote.num_tokens)
+                for src, dst in zip(views, self.layers, strict=True):
                     copied += copy_tokens(
                         src,
                         src_blocks,
@@ -316,12 +339,14 @@ class WorkerSide:
                         remote.num_tokens,
                         source.heads,
                     )
-            finally:
-                self.transport.release_read(src_rank.endpoint, remote.staging_offset)
-        if self.cfg.debug_corrupt_loaded_kv:
-            for dst in self.layers:
-                self._corrupt(dst, spec)
-        return copied
+                if self.cfg.debug_corrupt_loaded_kv:
+                    for dst in self.layers:
+                        self._corrupt(dst, spec)
+        if not self.transport.delivers_notifications:
+            self._release_remote(spec)
+        return LoadResult(
+            spec.request_id, frozenset(), self._num_load_tokens(spec), copied, ranks[0].engine_id
+        )
 
     def _corrupt(self, dst: Views, spec: LoadSpec) -> None:
         """Negative control: zero what was just loaded, so accuracy must collapse."""
@@ -356,11 +381,7 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()
-        while True:
-            try:
-                result = self._results.get_nowait()
-            except queue.Empty:
-                break
+        for result in self._loader.take_finished():
             done.add(result.request_id)
             with self._stats_lock:
                 if result.failed_blocks:
@@ -385,7 +406,7 @@ class WorkerSide:
             return out
 
     def shutdown(self) -> None:
-        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._loader.shutdown()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

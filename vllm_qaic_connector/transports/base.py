@@ -60,14 +60,14 @@ class KVTransport(ABC):
         """Release the staging region and every peer resource. Idempotent."""
 
 
-def create_transport(kind: str, name: str, staging_bytes: int) -> KVTransport:
-    from vllm_qaic_connector.transports.shm import ShmTransport
+def create_transport(kind: str, name: str, staging_bytes: int, timeout_s: float) -> KVTransport:
+    """``timeout_s`` bounds every read."""
+    if kind == "shm":
+        from vllm_qaic_connector.transports.shm import ShmTransport
 
-    classes: dict[str, type[KVTransport]] = {ShmTransport.kind: ShmTransport}
+        return ShmTransport(name, staging_bytes)
     if kind == "nixl":
         from vllm_qaic_connector.transports.nixl import NixlTransport
 
-        classes[NixlTransport.kind] = NixlTransport
-    if kind not in classes:
-        raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")
-    return classes[kind](name, staging_bytes)
+        return NixlTransport(name, staging_bytes, timeout_s=timeout_s)
+    raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")

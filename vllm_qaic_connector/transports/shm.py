@@ -2,13 +2,20 @@
 
 A decode reads the prefill's staged bytes through its own mapping, so the only copy is
 the one into the decode's KV blocks.
+
+A segment's creator holds an exclusive ``flock`` on it for its whole life; the kernel drops
+the lock when the process dies, even by SIGKILL. So at start-up a leftover segment of a dead
+incarnation can be told from a live one, and only the dead one is reclaimed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import logging
 import mmap
 import os
+import threading
 
 import torch
 
@@ -16,6 +23,31 @@ from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.wire import TransportEndpoint
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open() objects
+logger = logging.getLogger(__name__)
+
+
+def reclaim_dead_segments(prefix: str) -> list[str]:
+    """Unlinks segments named ``prefix*`` whose creator is gone; returns their names."""
+    reclaimed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(prefix):
+            continue
+        try:
+            fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its creator is alive
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+        reclaimed.append(name)
+    if reclaimed:
+        logger.warning("reclaimed shm segments of dead engines: %s", reclaimed)
+    return reclaimed
 
 
 class SharedSegment:
@@ -27,13 +59,15 @@ class SharedSegment:
         self.name, self.size, self._owner = name, size, create
         self._closed = False
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
         except FileNotFoundError:
             raise ConnectionError(f"shm segment {name!r} does not exist (peer gone?)") from None
+        self._lock_fd = -1
         try:
             if create:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for reclaim checks
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ConnectionError(f"shm segment {name!r} is smaller than advertised")
@@ -43,7 +77,10 @@ class SharedSegment:
             if create:
                 os.unlink(path)
             raise
-        os.close(fd)
+        if create:
+            self._lock_fd = fd  # kept open: closing it would drop the lock
+        else:
+            os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
@@ -57,14 +94,18 @@ class SharedSegment:
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
+            os.close(self._lock_fd)
 
 
 class ShmTransport(KVTransport):
     kind = "shm"
 
     def __init__(self, name: str, staging_bytes: int) -> None:
+        """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first."""
+        reclaim_dead_segments(name.rpartition("_")[0] + "_")
         self._own = SharedSegment(name, staging_bytes, create=True)
         self._peers: dict[str, SharedSegment] = {}
+        self._lock = threading.Lock()  # loads run on several threads
 
     @property
     def staging(self) -> torch.Tensor:
@@ -80,18 +121,22 @@ class ShmTransport(KVTransport):
             raise ConnectionError(f"peer uses transport {peer.kind!r}, we use {self.kind!r}")
         if offset < 0 or offset + nbytes > peer.size:
             raise ValueError(f"read [{offset}, {offset + nbytes}) outside segment {peer.address}")
-        seg = self._peers.get(peer.address)
-        if seg is None:
-            seg = self._peers[peer.address] = SharedSegment(peer.address, peer.size, create=False)
-        return seg.tensor[offset : offset + nbytes]
+        with self._lock:
+            seg = self._peers.get(peer.address)
+            if seg is None:
+                seg = SharedSegment(peer.address, peer.size, create=False)
+                self._peers[peer.address] = seg
+            return seg.tensor[offset : offset + nbytes]
 
     def forget_peer(self, peer: TransportEndpoint) -> None:
-        seg = self._peers.pop(peer.address, None)
+        with self._lock:
+            seg = self._peers.pop(peer.address, None)
         if seg is not None:
             seg.close()
 
     def close(self) -> None:
-        for seg in self._peers.values():
-            seg.close()
-        self._peers.clear()
-        self._own.close()
+        with self._lock:
+            for seg in self._peers.values():
+                seg.close()
+            self._peers.clear()
+            self._own.close()

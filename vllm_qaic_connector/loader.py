@@ -1,0 +1,104 @@
+"""Runs KV loads concurrently, each bounded by a deadline, so that a dead or slow peer
+costs only its own requests.
+
+A load past its deadline is reported failed at once (its blocks become load errors and
+``kv_load_failure_policy`` decides); its thread may still be waiting on the peer, but it can
+no longer write KV blocks: writes go through a gate that the timeout closes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")
+Spec = TypeVar("Spec")
+Result = TypeVar("Result")
+LOAD_THREADS = 8
+
+
+class LoadTimeout(TimeoutError):
+    pass
+
+
+class WriteGate:
+    """Held while a load writes KV blocks; closed for good when the load times out."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reported = False  # under _lock: the load's outcome was handed to vLLM
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._lock:
+            if self.reported:
+                raise LoadTimeout("the load timed out before writing its KV")
+            yield
+
+    def report_once(self) -> bool:
+        with self._lock:
+            first, self.reported = not self.reported, True
+            return first
+
+
+class Loader(Generic[Spec, Result]):
+    """``run(spec, gate)`` does one load (raising on failure); ``fail(spec, reason)`` makes
+    the result of a failed one. Results come out of ``take_finished`` exactly once."""
+
+    def __init__(
+        self,
+        run: Callable[[Spec, WriteGate], Result],
+        fail: Callable[[Spec, str], Result],
+        timeout_s: float,
+    ) -> None:
+        self._run, self._fail, self.timeout_s = run, fail, timeout_s
+        self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qaic-kv-load")
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, tuple[Spec, WriteGate, float]] = {}
+        self._finished: list[Result] = []
+
+    def submit(self, spec: Spec) -> None:
+        gate = WriteGate()
+        with self._lock:
+            self._in_flight[id(gate)] = (spec, gate, time.monotonic() + self.timeout_s)
+        self._pool.submit(self._guarded, spec, gate)
+
+    def _guarded(self, spec: Spec, gate: WriteGate) -> None:
+        try:
+            result = self._run(spec, gate)
+        except Exception as exc:
+            logger.error("QAICConnector: KV load failed: %s", exc)
+            result = self._fail(spec, str(exc))
+        self._finish(gate, result)
+
+    def _finish(self, gate: WriteGate, result: Result) -> None:
+        if gate.report_once():
+            with self._lock:
+                self._in_flight.pop(id(gate), None)
+                self._finished.append(result)
+
+    def background(self, fn: Callable[..., object], *args: object) -> None:
+        self._pool.submit(fn, *args)
+
+    def take_finished(self) -> list[Result]:
+        """Loads done since the last call, and loads past their deadline (as failed)."""
+        now = time.monotonic()
+        with self._lock:
+            overdue = [(s, g) for s, g, deadline in self._in_flight.values() if deadline <= now]
+        for spec, gate in overdue:
+            reason = f"load did not finish within load_timeout_s={self.timeout_s:g}"
+            logger.error("QAICConnector: %s", reason)
+            self._finish(gate, self._fail(spec, reason))
+        with self._lock:
+            done, self._finished = self._finished, []
+            return done
+
+    def shutdown(self) -> None:
+        """Does not wait: a load blocked on a dead peer must not hold up the engine's exit."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

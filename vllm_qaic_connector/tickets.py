@@ -1,0 +1,129 @@
+"""Transfer tickets: proof that a staged region still holds what a decode was told it holds.
+
+Every staged region starts with a small header that repeats the region's generation. The
+prefill hands the generation out in ``kv_transfer_params`` (with its incarnation and a hash
+of the prompt's token ids). The writer zeroes a region's header before anything overwrites
+its bytes (reuse) or when it is given up (release, lease expiry); a reader checks the header
+before and after its copy, seqlock style. So a read that raced a reuse, or came after the
+region was given up, is detected and becomes a load error, never wrong tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import secrets
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from vllm_qaic_connector.transports.base import KVTransport
+from vllm_qaic_connector.wire import TransportEndpoint
+
+HEADER_BYTES = 64  # keeps the KV after it cache-line aligned
+MAGIC = 0x3130564B43494151  # b"QAICKV01", little-endian
+
+
+class StaleTicket(ConnectionError):
+    """The staged region no longer holds the ticket's KV (reused, released or expired)."""
+
+
+def new_incarnation() -> str:
+    """Names one engine start; unguessable, so segment names derived from it are too."""
+    return secrets.token_hex(8)
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    ids = np.asarray(token_ids, dtype=np.int64).tobytes()
+    return hashlib.blake2b(ids, digest_size=16).hexdigest()
+
+
+class Generations:
+    """Unique, non-zero generations; a random base keeps them unique across restarts too."""
+
+    def __init__(self) -> None:
+        self._next = (secrets.randbits(30) + 1) << 32
+
+    def take(self) -> int:
+        self._next += 1
+        return self._next
+
+
+def _words(header: torch.Tensor) -> torch.Tensor:
+    return header[:16].view(torch.int64)
+
+
+def header_generation(header: torch.Tensor) -> int:
+    """The generation a region's header holds; 0 if it holds none."""
+    magic, generation = (int(w) for w in _words(header).tolist())
+    return generation if magic == MAGIC else 0
+
+
+def seal(header: torch.Tensor, generation: int) -> None:
+    _words(header).copy_(torch.tensor([MAGIC, generation], dtype=torch.int64))
+
+
+class RegionHeaders:
+    """The writer's side: which staged regions hold a live header, so that any write into a
+    region's bytes first invalidates its header."""
+
+    def __init__(self, staging: torch.Tensor) -> None:
+        self._staging = staging
+        self._starts: list[int] = []  # sorted starts of live regions
+        self._ends: dict[int, int] = {}
+
+    @contextmanager
+    def writing(self, start: int, end: int, generation: int) -> Iterator[torch.Tensor]:
+        """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed on success."""
+        i = bisect.bisect_left(self._starts, start)
+        if i > 0 and self._ends[self._starts[i - 1]] > start:
+            i -= 1
+        while i < len(self._starts) and self._starts[i] < end:
+            self.invalidate(self._starts[i])
+        header = self._staging[start : start + HEADER_BYTES]
+        seal(header, 0)  # a header from an earlier, shifted region may lie inside
+        yield self._staging[start + HEADER_BYTES : end]
+        seal(header, generation)
+        bisect.insort(self._starts, start)
+        self._ends[start] = end
+
+    def invalidate(self, start: int) -> None:
+        if self._ends.pop(start, None) is not None:
+            self._starts.remove(start)
+            seal(self._staging[start : start + HEADER_BYTES], 0)
+
+
+@contextmanager
+def checked_read(
+    transport: KVTransport,
+    peer: TransportEndpoint,
+    offset: int,
+    nbytes: int,
+    generation: int,
+    notify: bytes | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yields a staged region's KV bytes; raises StaleTicket if the header did not hold
+    ``generation`` both before the read and after the caller's copy. ``notify`` travels
+    with the final header read, so the prefill frees the region only after both checks."""
+    region = transport.read(peer, offset, HEADER_BYTES + nbytes)
+    try:
+        _expect(header_generation(region[:HEADER_BYTES]), generation, "before the copy")
+        yield region[HEADER_BYTES:]
+    finally:
+        transport.release_read(peer, offset)
+    after = transport.read(peer, offset, HEADER_BYTES, notify=notify)
+    try:
+        _expect(header_generation(after), generation, "after the copy")
+    finally:
+        transport.release_read(peer, offset)
+
+
+def _expect(found: int, generation: int, when: str) -> None:
+    if found != generation:
+        state = "no live KV" if found == 0 else f"generation {found}"
+        raise StaleTicket(
+            f"staged region holds {state} {when}, ticket says {generation}: it was reused, "
+            "released or its lease expired"
+        )
