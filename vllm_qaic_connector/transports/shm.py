@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+import weakref
 
 import torch
 
@@ -24,6 +25,11 @@ from vllm_qaic_connector.wire import TransportEndpoint
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open() objects
 logger = logging.getLogger(__name__)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def reclaim_dead_segments(prefix: str) -> list[str]:
@@ -42,8 +48,7 @@ def reclaim_dead_segments(prefix: str) -> list[str]:
             continue  # its creator is alive
         finally:
             os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, name))
+        _unlink(os.path.join(SHM_DIR, name))
         reclaimed.append(name)
     if reclaimed:
         logger.warning("reclaimed shm segments of dead engines: %s", reclaimed)
@@ -79,6 +84,8 @@ class SharedSegment:
             raise
         if create:
             self._lock_fd = fd  # kept open: closing it would drop the lock
+            # An exit that skips close() (SystemExit in a worker) still unlinks it.
+            weakref.finalize(self, _unlink, path)
         else:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -92,8 +99,7 @@ class SharedSegment:
         self._closed = True
         del self.tensor, self._map
         if self._owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
+            _unlink(os.path.join(SHM_DIR, self.name))
             os.close(self._lock_fd)
 
 

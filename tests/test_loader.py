@@ -1,0 +1,78 @@
+"""The loader: loads run concurrently, one stuck on a dead peer costs only itself, and a
+load past its deadline is reported once and can no longer write."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from vllm_qaic_connector.loader import Loader, LoadTimeout, WriteGate
+
+
+class Peers:
+    """Load functions: 'dead' blocks until released, others write at once."""
+
+    def __init__(self) -> None:
+        self.release_dead = threading.Event()
+        self.writes: list[str] = []
+        self.refused: list[str] = []
+
+    def run(self, spec: str, gate: WriteGate) -> tuple[str, bool]:
+        if spec.startswith("dead"):
+            self.release_dead.wait(30)
+        try:
+            with gate.writing():
+                self.writes.append(spec)
+        except LoadTimeout:
+            self.refused.append(spec)
+            raise
+        return spec, True
+
+    @staticmethod
+    def fail(spec: str, reason: str) -> tuple[str, bool]:
+        return spec, False
+
+
+def wait_for(loader: Loader, n: int, limit_s: float = 20.0) -> list[tuple[str, bool]]:
+    got: list[tuple[str, bool]] = []
+    deadline = time.monotonic() + limit_s
+    while len(got) < n and time.monotonic() < deadline:
+        got += loader.take_finished()
+        time.sleep(0.01)
+    return got
+
+
+def test_a_dead_peer_delays_only_its_own_load():
+    peers = Peers()
+    loader = Loader(peers.run, peers.fail, timeout_s=1.0)
+    try:
+        loader.submit("dead-1")
+        for i in range(6):
+            loader.submit(f"good-{i}")
+        good = wait_for(loader, 6)
+        assert sorted(good) == [(f"good-{i}", True) for i in range(6)]
+        # The dead one is reported failed once its deadline passes ...
+        assert wait_for(loader, 1) == [("dead-1", False)]
+        # ... and when its peer finally answers, it neither writes nor reports again.
+        peers.release_dead.set()
+        time.sleep(0.3)
+        assert peers.refused == ["dead-1"] and "dead-1" not in peers.writes
+        assert loader.take_finished() == []
+    finally:
+        peers.release_dead.set()
+        loader.shutdown()
+
+
+@pytest.mark.parametrize("exc", [ConnectionError("peer gone"), ValueError("bad ticket")])
+def test_a_failing_load_is_reported_failed(exc):
+    def run(spec: str, gate: WriteGate) -> tuple[str, bool]:
+        raise exc
+
+    loader = Loader(run, Peers.fail, timeout_s=5.0)
+    try:
+        loader.submit("x")
+        assert wait_for(loader, 1) == [("x", False)]
+    finally:
+        loader.shutdown()
