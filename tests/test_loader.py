@@ -48,9 +48,9 @@ def test_a_dead_peer_delays_only_its_own_load():
     peers = Peers()
     loader = Loader(peers.run, peers.fail, timeout_s=1.0)
     try:
-        loader.submit("dead-1")
+        loader.submit("dead-1", "dead")
         for i in range(6):
-            loader.submit(f"good-{i}")
+            loader.submit(f"good-{i}", "good")
         good = wait_for(loader, 6)
         assert sorted(good) == [(f"good-{i}", True) for i in range(6)]
         # The dead one is reported failed once its deadline passes ...
@@ -60,6 +60,27 @@ def test_a_dead_peer_delays_only_its_own_load():
         time.sleep(0.3)
         assert peers.refused == ["dead-1"] and "dead-1" not in peers.writes
         assert loader.take_finished() == []
+    finally:
+        peers.release_dead.set()
+        loader.shutdown()
+
+
+def test_a_flood_at_one_dead_peer_leaves_threads_for_the_others():
+    """20 loads block on one peer (its reads hang) and 20 more wait for its handshake:
+    the peer holds at most half the threads, so good peers' loads still run at once."""
+    peers = Peers()
+    handshake_done = threading.Event()
+    loader = Loader(peers.run, peers.fail, timeout_s=30.0)
+    try:
+        for i in range(20):
+            loader.submit(f"dead-{i}", "dead")
+            loader.submit(f"dead-hs-{i}", "black-hole", handshake_done.is_set)
+        t0 = time.monotonic()
+        for i in range(8):
+            loader.submit(f"good-{i}", ("good", i % 2))
+        good = wait_for(loader, 8, limit_s=10.0)
+        assert sorted(good) == sorted((f"good-{i}", True) for i in range(8))
+        assert time.monotonic() - t0 < 5.0
     finally:
         peers.release_dead.set()
         loader.shutdown()

@@ -1,5 +1,6 @@
 """Runs KV loads concurrently, each bounded by a deadline, so that a dead or slow peer
-costs only its own requests.
+costs only its own requests: a load waits off the thread pool until its peer is ready (its
+handshake resolved), and one peer may hold at most half the threads.
 
 A load past its deadline is reported failed at once (its blocks become load errors and
 ``kv_load_failure_policy`` decides); its thread may still be waiting on the peer, but it can
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Generic, TypeVar
@@ -21,6 +23,7 @@ logger = init_logger(f"vllm.{__name__}")
 Spec = TypeVar("Spec")
 Result = TypeVar("Result")
 LOAD_THREADS = 8
+PER_PEER_THREADS = LOAD_THREADS // 2
 
 
 class LoadTimeout(TimeoutError):
@@ -61,21 +64,43 @@ class Loader(Generic[Spec, Result]):
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qaic-kv-load")
         self._lock = threading.Lock()
         self._in_flight: dict[int, tuple[Spec, WriteGate, float]] = {}
+        self._parked: list[tuple[Spec, WriteGate, Hashable, Callable[[], bool] | None]] = []
+        self._running: Counter[Hashable] = Counter()
         self._finished: list[Result] = []
 
-    def submit(self, spec: Spec) -> None:
+    def submit(
+        self, spec: Spec, peer: Hashable = None, ready: Callable[[], bool] | None = None
+    ) -> None:
+        """Runs ``spec`` once ``ready()`` (must not block) and ``peer`` has a free thread."""
         gate = WriteGate()
         with self._lock:
             self._in_flight[id(gate)] = (spec, gate, time.monotonic() + self.timeout_s)
-        self._pool.submit(self._guarded, spec, gate)
+            self._parked.append((spec, gate, peer, ready))
+        self._dispatch()
 
-    def _guarded(self, spec: Spec, gate: WriteGate) -> None:
+    def _dispatch(self) -> None:
+        with self._lock:
+            waiting = []
+            for spec, gate, peer, ready in self._parked:
+                if gate.reported:
+                    continue  # timed out while it waited
+                if self._running[peer] >= PER_PEER_THREADS or (ready and not ready()):
+                    waiting.append((spec, gate, peer, ready))
+                    continue
+                self._running[peer] += 1
+                self._pool.submit(self._guarded, spec, gate, peer)
+            self._parked = waiting
+
+    def _guarded(self, spec: Spec, gate: WriteGate, peer: Hashable) -> None:
         try:
             result = self._run(spec, gate)
         except Exception as exc:
             logger.error("QAICConnector: KV load failed: %s", exc)
             result = self._fail(spec, str(exc))
+        with self._lock:
+            self._running[peer] -= 1
         self._finish(gate, result)
+        self._dispatch()
 
     def _finish(self, gate: WriteGate, result: Result) -> None:
         if gate.report_once():
@@ -83,11 +108,9 @@ class Loader(Generic[Spec, Result]):
                 self._in_flight.pop(id(gate), None)
                 self._finished.append(result)
 
-    def background(self, fn: Callable[..., object], *args: object) -> None:
-        self._pool.submit(fn, *args)
-
     def take_finished(self) -> list[Result]:
         """Loads done since the last call, and loads past their deadline (as failed)."""
+        self._dispatch()
         now = time.monotonic()
         with self._lock:
             overdue = [(s, g) for s, g, deadline in self._in_flight.values() if deadline <= now]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -129,6 +131,7 @@ class WorkerSide:
         self.incarnation = new_incarnation()
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         self._loader = Loader(self._load, self._failed, cfg.load_timeout_s)
+        self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
         self._headers: RegionHeaders | None = None
         self._load_errors: set[int] = set()
         self._stats = QAICConnectorStats()
@@ -228,7 +231,11 @@ class WorkerSide:
         if self._metadata is None:
             return
         for spec in self._metadata.loads:
-            self._loader.submit(spec)
+            if spec.remote is None or spec.error is not None:
+                self._loader.submit(spec)  # fails at once
+                continue
+            peer = (spec.remote.remote_host, spec.remote.remote_port)
+            self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
 
     def wait_for_save(self) -> None:
         if self._metadata is None or self._headers is None:
@@ -277,8 +284,17 @@ class WorkerSide:
             raise StaleTicket(f"engine {remote.remote_engine_id} restarted since it staged the KV")
         return ranks
 
+    def _peer_resolved(self, host: str, port: int) -> bool:
+        return self.peers.poll(host, port) is not None  # starts the handshake; never waits
+
     def _failed(self, spec: LoadSpec, reason: str) -> LoadResult:
-        self._loader.background(self._release_remote, spec)  # may run on the engine's thread
+        # Only to a peer that answered a handshake: a dead one would hold a thread for
+        # nothing (its lease frees the pages). Off this thread: it may be the engine's.
+        remote = spec.remote
+        if remote is not None and isinstance(
+            self.peers.poll(remote.remote_host, remote.remote_port), list
+        ):
+            self._releaser.submit(self._release_remote, spec)
         source = spec.remote.remote_engine_id if spec.remote else ""
         return LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
 
@@ -407,6 +423,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown()
+        self._releaser.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
             self.transport = None
