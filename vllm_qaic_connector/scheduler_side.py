@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
+MAX_TP = 1024  # bounds the work an acknowledgement can ask for
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,8 @@ class SchedulerSide:
         prefill rank staged its own heads, and TP decode ranks read at their own pace."""
         total_heads = self._ranks[0].num_kv_heads if self._ranks else 1
         src_tp = max(len(self._ranks), 1)
+        if not self.pool.has(rid) or not 0 <= ack.reader_rank < ack.reader_tp <= MAX_TP:
+            return  # nothing staged under that id (any more), or a nonsense reader
         try:
             needed = reads_needed(total_heads, src_tp, ack.reader_tp)
             sources = ack.source_ranks
