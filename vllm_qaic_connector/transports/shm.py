@@ -6,6 +6,10 @@ the one into the decode's KV blocks.
 A segment's creator holds an exclusive ``flock`` on it for its whole life; the kernel drops
 the lock when the process dies, even by SIGKILL. So at start-up a leftover segment of a dead
 incarnation can be told from a live one, and only the dead one is reclaimed.
+
+Segments are also registered with Python's multiprocessing resource tracker, a separate
+process that unlinks them once every process sharing it is gone: vLLM's default shutdown
+(abort, timeout 0) force-kills the worker right after SIGTERM, before any cleanup of ours.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import logging
 import mmap
 import os
 import threading
-import weakref
+from multiprocessing import resource_tracker
 
 import torch
 
@@ -84,8 +88,7 @@ class SharedSegment:
             raise
         if create:
             self._lock_fd = fd  # kept open: closing it would drop the lock
-            # An exit that skips close() (SystemExit in a worker) still unlinks it.
-            weakref.finalize(self, _unlink, path)
+            resource_tracker.register("/" + name, "shared_memory")
         else:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -100,6 +103,7 @@ class SharedSegment:
         del self.tensor, self._map
         if self._owner:
             _unlink(os.path.join(SHM_DIR, self.name))
+            resource_tracker.unregister("/" + self.name, "shared_memory")
             os.close(self._lock_fd)
 
 
