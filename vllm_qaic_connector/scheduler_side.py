@@ -266,6 +266,7 @@ class SchedulerSide:
             out.target, out.waiting_since = target, now
         per_token = self.bytes_per_block_all_layers // self.block_size
         blocks = blocks_for_tokens(request.num_prompt_tokens, out.target.block_size)
+        self._expire_leases()  # an idle engine ran no step that would have freed them
         try:
             kv_bytes = blocks * out.target.block_size * per_token
             offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
