@@ -6,6 +6,8 @@ decode's layout before it stages (without blocking the engine: `poll` never wait
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.layout import LAYOUTS
+from vllm_qaic_connector.qaic_target import torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelTimeout
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -25,6 +29,57 @@ from vllm_qaic_connector.wire import (
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 RETRY_AFTER_S = 2.0
 HANDSHAKE_ATTEMPTS = 3
+_HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
+_POSITIVE = ("block_size", "num_blocks", "head_size", "num_kv_heads", "num_layers")
+# Engine-wide facts: every rank of one engine must state the same.
+_AGREED = (
+    "engine_id", "tp_size", "layout_kind", "block_size", "num_layers", "num_kv_heads",
+    "head_size", "dtype", "model", "compat_hash",
+)  # fmt: skip
+ENDPOINT_KINDS = ("shm", "nixl")
+
+
+def check_ranks(ranks: list[RankMetadata]) -> str | None:
+    """Names the first thing wrong with a peer's handshake ranks, or None. Consumers index
+    ranks by position, so rank i must be tp_rank i."""
+    if not ranks:
+        return "no ranks"
+    first = ranks[0]
+    for i, r in enumerate(ranks):
+        for field in _POSITIVE:
+            if getattr(r, field) <= 0:
+                return f"rank {i} {field} must be > 0, got {getattr(r, field)}"
+        if r.tp_size < 1:
+            return f"rank {i} tp_size must be >= 1, got {r.tp_size}"
+        if r.tp_size != len(ranks):
+            return f"rank {i} tp_size is {r.tp_size} but the reply has {len(ranks)} ranks"
+        if r.tp_rank != i:
+            return f"rank {i} has tp_rank {r.tp_rank}: tp_rank must run 0..{len(ranks) - 1}"
+        if r.layout_kind not in LAYOUTS:
+            return f"rank {i} layout_kind {r.layout_kind!r} is unknown"
+        try:
+            torch_dtype(r.dtype)
+        except ValueError:
+            return f"rank {i} dtype {r.dtype!r} is unknown"
+        if r.endpoint.kind not in ENDPOINT_KINDS:
+            return f"rank {i} endpoint.kind {r.endpoint.kind!r} is unknown"
+        if r.endpoint.size <= 0:
+            return f"rank {i} endpoint.size must be > 0, got {r.endpoint.size}"
+        for field in _AGREED:
+            if getattr(r, field) != getattr(first, field):
+                return (
+                    f"rank {i} {field} {getattr(r, field)!r} differs from rank 0's "
+                    f"{getattr(first, field)!r}"
+                )
+    return None
+
+
+def _address_problem(host: object, port: object) -> str | None:
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return f"port must be in 1..65535, got {port!r}"
+    if not isinstance(host, str) or not _HOST_RE.fullmatch(host):
+        return f"host {host!r} is not a host name"
+    return None
 
 
 @dataclass
@@ -44,10 +99,28 @@ class PeerDirectory:
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._lock = threading.Lock()
 
+    def _probe(self, host: str, port: int) -> None:
+        """A plain TCP connect: a refused port or an unknown host fails at once, by name,
+        where ZMQ would silently retry until the timeout."""
+        try:
+            socket.create_connection((host.strip("[]"), port), timeout=self.timeout_s).close()
+        except TimeoutError:
+            raise SideChannelTimeout(f"{host}:{port} did not accept a connection") from None
+        except ConnectionRefusedError:
+            raise ConnectionError(f"connection refused by {host}:{port}") from None
+        except socket.gaierror as exc:
+            raise ConnectionError(f"peer host {host!r} does not resolve: {exc}") from None
+        except OSError as exc:  # unreachable network or host
+            raise ConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
+
     def _handshake(self, host: str, port: int) -> list[RankMetadata]:
+        problem = _address_problem(host, port)
+        if problem:
+            raise ConnectionError(f"bad peer address {host!r}:{port!r}: {problem}")
         request = HandshakeRequest(PROTOCOL_VERSION, self.engine_id)
         for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
             try:
+                self._probe(host, port)
                 reply = side_channel.call(host, port, request, self.key, self.timeout_s)
                 break
             except SideChannelTimeout:
@@ -58,8 +131,12 @@ class PeerDirectory:
                         f"side channel {host}:{port} silent {attempt} times "
                         f"({self.timeout_s}s each)"
                     ) from None
-        if not isinstance(reply, HandshakeReply) or not reply.ranks:
-            raise ConnectionError(f"bad handshake reply from {host}:{port}")
+        if not isinstance(reply, HandshakeReply):
+            kind = type(reply).__name__
+            raise ConnectionError(f"bad handshake reply from {host}:{port}: got {kind}")
+        problem = check_ranks(reply.ranks)
+        if problem:
+            raise ConnectionError(f"bad handshake reply from {host}:{port}: {problem}")
         if self.ours is not None:
             problem = incompatibility(self.ours, reply.ranks[0])
             if problem:
@@ -82,8 +159,13 @@ class PeerDirectory:
         except ConnectionError as exc:
             entry.error = str(exc)
             logger.warning("QAICConnector: %s", exc)
-        entry.finished = time.monotonic()
-        entry.done.set()
+        except Exception as exc:  # a bug here must fail this peer, not hang its callers
+            entry.ranks = None
+            entry.error = f"handshake with {host}:{port} failed: {type(exc).__name__}: {exc}"
+            logger.exception("QAICConnector: %s", entry.error)
+        finally:
+            entry.finished = time.monotonic()
+            entry.done.set()
 
     def _entry(self, host: str, port: int) -> _Entry:
         with self._lock:
@@ -97,10 +179,21 @@ class PeerDirectory:
                 # A failed handshake is retried after a pause, not cached forever.
                 entry = _Entry(threading.Event())
                 self._entries[(host, port)] = entry
-                threading.Thread(
+                thread = threading.Thread(
                     target=self._run, args=(host, port, entry), daemon=True, name="qaic-handshake"
-                ).start()
+                )
+                try:
+                    thread.start()
+                except RuntimeError as exc:  # out of threads: fail this peer, not the step
+                    entry.error = f"handshake with {host}:{port} not started: {exc}"
+                    entry.finished = time.monotonic()
+                    entry.done.set()
             return entry
+
+    def forget(self, host: str, port: int) -> None:
+        """Drop what we know of a peer (it restarted): the next lookup handshakes afresh."""
+        with self._lock:
+            self._entries.pop((host, port), None)
 
     def poll(self, host: str, port: int) -> list[RankMetadata] | str | None:
         """Ranks if known, an error string if the handshake failed, None while pending."""
@@ -112,7 +205,8 @@ class PeerDirectory:
     def get(self, host: str, port: int) -> list[RankMetadata]:
         """Blocking lookup, bounded by the handshake timeout. Raises ConnectionError."""
         entry = self._entry(host, port)
-        if not entry.done.wait(HANDSHAKE_ATTEMPTS * self.timeout_s + 1.0):
+        # Each attempt is a TCP probe and a round trip, each bounded by the timeout.
+        if not entry.done.wait(HANDSHAKE_ATTEMPTS * 2 * self.timeout_s + 1.0):
             raise ConnectionError(f"handshake with {host}:{port} timed out")
         if entry.ranks is None:
             raise ConnectionError(entry.error or f"handshake with {host}:{port} failed")

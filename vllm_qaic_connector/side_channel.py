@@ -1,19 +1,49 @@
-"""The side channel: a small ZMQ request/reply server per engine, and its client."""
+"""The side channel: a small ZMQ request/reply server per engine, and its client.
+
+The server faces whatever can reach its port, so nothing a peer sends may stop it: bad frames
+are answered with an ErrorReply where the envelope allows a reply, and dropped otherwise.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
+from vllm.logger import init_logger
 
 from vllm_qaic_connector.wire import ErrorReply, Message, decode_message, encode_message
 
 Handler = Callable[[Message], Message]
+logger = init_logger(f"vllm.{__name__}")
+
+MAX_MESSAGE_BYTES = 1 << 20  # requests are small; libzmq drops a peer that sends more
+MAX_REPLY_BYTES = 64 << 20  # handshake replies carry NIXL agent metadata
+SEND_TIMEOUT_MS = 1000
+COMPLAIN_EVERY_S = 10.0
 
 
 class SideChannelTimeout(ConnectionError, TimeoutError):
     """The peer did not answer in time (it may be busy, or gone)."""
+
+
+class _Complaints:
+    """One warning per interval, the rest at debug: a flood of garbage must not flood the log."""
+
+    def __init__(self) -> None:
+        self._last = -COMPLAIN_EVERY_S
+        self._quiet = 0
+
+    def __call__(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < COMPLAIN_EVERY_S:
+            self._quiet += 1
+            logger.debug("QAICConnector side channel: " + fmt, *args)
+            return
+        suffix = f" ({self._quiet} similar since the last warning)" if self._quiet else ""
+        logger.warning("QAICConnector side channel: " + fmt + suffix, *args)
+        self._last, self._quiet = now, 0
 
 
 class SideChannelServer:
@@ -23,12 +53,20 @@ class SideChannelServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         addr = f"tcp://{host}"
-        self.port = self._sock.bind_to_random_port(addr) if port == 0 else port
-        if port:
-            self._sock.bind(f"{addr}:{port}")
+        try:
+            self.port = self._sock.bind_to_random_port(addr) if port == 0 else port
+            if port:
+                self._sock.bind(f"{addr}:{port}")
+        except zmq.ZMQError:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
         self._handler = handler
         self._key = key
+        self._complain = _Complaints()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="qaic-side-channel", daemon=True)
         self._thread.start()
@@ -36,28 +74,61 @@ class SideChannelServer:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            ident, _, frame = self._sock.recv_multipart()
+        try:
+            while not self._stop.is_set():
+                try:
+                    if poller.poll(100):
+                        self._serve_one()
+                except Exception as exc:  # nothing a peer does may end the loop
+                    self._complain("%s: %s", type(exc).__name__, exc)
+                    time.sleep(0.01)  # a persistent socket error must not spin a core
+        finally:
+            self._sock.close(0)  # the socket is only ever touched by this thread
+
+    def _serve_one(self) -> None:
+        frames = self._sock.recv_multipart(zmq.NOBLOCK)
+        # A REQ peer's envelope is [identity, b"", payload]; without the empty delimiter
+        # there is no way to address a reply a REQ socket would accept.
+        if len(frames) < 3 or frames[1] != b"":
+            self._complain("dropped a message of %d frames without a REQ envelope", len(frames))
+            return
+        reply: Message
+        if len(frames) != 3:
+            reply = ErrorReply(f"expected one payload frame, got {len(frames) - 2}")
+            self._complain("refused a message: %s", reply.message)
+        else:
             try:
-                reply = self._handler(decode_message(frame, self._key))
-            except Exception as exc:  # a bad peer must not kill the listener
+                msg = decode_message(frames[2], self._key)
+            except ValueError as exc:
                 reply = ErrorReply(str(exc))
-            self._sock.send_multipart([ident, b"", encode_message(reply, self._key)])
+                self._complain("refused a message: %s", exc)
+            else:
+                try:
+                    reply = self._handler(msg)
+                except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
+                    self._complain("handler failed on %s: %r", type(msg).__name__, exc)
+                    reply = ErrorReply(str(exc) or type(exc).__name__)
+        try:
+            self._sock.send_multipart(
+                [frames[0], b"", encode_message(reply, self._key)], zmq.NOBLOCK
+            )
+        except zmq.Again:
+            self._complain("dropped a reply: the peer is not reading")
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._sock.close(0)
-        self._ctx.term()
+        if not self._thread.is_alive():  # else a stuck handler still owns the socket
+            self._ctx.term()
 
 
 def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float) -> Message:
-    """One request/reply round trip. Raises ConnectionError on timeout or an error reply."""
+    """One request/reply round trip. Raises ConnectionError on timeout, a malformed address
+    or reply, or an error reply (SideChannelTimeout, a ConnectionError, on timeout)."""
     ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
@@ -67,6 +138,8 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
     except zmq.Again:
         raise SideChannelTimeout(f"side channel {host}:{port} silent for {timeout_s}s") from None
     except ValueError as exc:  # unauthenticated or malformed reply
+        raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
+    except zmq.ZMQError as exc:  # e.g. an address libzmq cannot parse
         raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
     finally:
         sock.close(0)
