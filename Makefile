@@ -22,3 +22,9 @@ test: setup lint
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Issue #9 soak: 500 requests at concurrency 16 through 1P1D + proxy, shm then NIXL.
+.PHONY: soak
+soak: setup
+	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport shm
+	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport nixl

@@ -6,7 +6,6 @@ decode's layout before it stages (without blocking the engine: `poll` never wait
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ from vllm_qaic_connector.layout import LAYOUTS
 from vllm_qaic_connector.qaic_target import torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelTimeout
 from vllm_qaic_connector.wire import (
+    HOST_RE,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -29,7 +29,6 @@ from vllm_qaic_connector.wire import (
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 RETRY_AFTER_S = 2.0
 HANDSHAKE_ATTEMPTS = 3
-_HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 _POSITIVE = ("block_size", "num_blocks", "head_size", "num_kv_heads", "num_layers")
 # Engine-wide facts: every rank of one engine must state the same.
 _AGREED = (
@@ -77,9 +76,13 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
 def _address_problem(host: object, port: object) -> str | None:
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         return f"port must be in 1..65535, got {port!r}"
-    if not isinstance(host, str) or not _HOST_RE.fullmatch(host):
+    if not isinstance(host, str) or not HOST_RE.fullmatch(host):
         return f"host {host!r} is not a host name"
     return None
+
+
+class PeerRefused(ConnectionError):
+    """The peer answered, but we cannot use it (a bad or incompatible handshake)."""
 
 
 @dataclass
@@ -87,6 +90,7 @@ class _Entry:
     done: threading.Event
     ranks: list[RankMetadata] | None = None
     error: str | None = None
+    answered: bool = False  # the peer replied, even if we refused it
     finished: float = 0.0
 
 
@@ -133,19 +137,20 @@ class PeerDirectory:
                     ) from None
         if not isinstance(reply, HandshakeReply):
             kind = type(reply).__name__
-            raise ConnectionError(f"bad handshake reply from {host}:{port}: got {kind}")
+            raise PeerRefused(f"bad handshake reply from {host}:{port}: got {kind}")
         problem = check_ranks(reply.ranks)
         if problem:
-            raise ConnectionError(f"bad handshake reply from {host}:{port}: {problem}")
+            raise PeerRefused(f"bad handshake reply from {host}:{port}: {problem}")
         if self.ours is not None:
             problem = incompatibility(self.ours, reply.ranks[0])
             if problem:
-                raise ConnectionError(f"incompatible peer at {host}:{port}: {problem}")
+                raise PeerRefused(f"incompatible peer at {host}:{port}: {problem}")
         return reply.ranks
 
     def _run(self, host: str, port: int, entry: _Entry) -> None:
         try:
             entry.ranks = self._handshake(host, port)
+            entry.answered = True
             peer = entry.ranks[0]
             logger.info(
                 "QAICConnector: handshake with %s at %s:%d: %s layout, block %d, TP %d",
@@ -157,7 +162,7 @@ class PeerDirectory:
                 peer.tp_size,
             )
         except ConnectionError as exc:
-            entry.error = str(exc)
+            entry.error, entry.answered = str(exc), isinstance(exc, PeerRefused)
             logger.warning("QAICConnector: %s", exc)
         except Exception as exc:  # a bug here must fail this peer, not hang its callers
             entry.ranks = None
@@ -189,6 +194,12 @@ class PeerDirectory:
                     entry.finished = time.monotonic()
                     entry.done.set()
             return entry
+
+    def answered(self, host: str, port: int) -> bool:
+        """Whether the peer's last finished handshake got a reply (it is alive)."""
+        with self._lock:
+            entry = self._entries.get((host, port))
+        return entry is not None and entry.done.is_set() and entry.answered
 
     def forget(self, host: str, port: int) -> None:
         """Drop what we know of a peer (it restarted): the next lookup handshakes afresh."""

@@ -291,9 +291,7 @@ class WorkerSide:
         # Only to a peer that answered a handshake: a dead one would hold a thread for
         # nothing (its lease frees the pages). Off this thread: it may be the engine's.
         remote = spec.remote
-        if remote is not None and isinstance(
-            self.peers.poll(remote.remote_host, remote.remote_port), list
-        ):
+        if remote is not None and self.peers.answered(remote.remote_host, remote.remote_port):
             self._releaser.submit(self._release_remote, spec)
         source = spec.remote.remote_engine_id if spec.remote else ""
         return LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
@@ -359,7 +357,7 @@ class WorkerSide:
                     for dst in self.layers:
                         self._corrupt(dst, spec)
         if not self.transport.delivers_notifications:
-            self._release_remote(spec)
+            self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
             spec.request_id, frozenset(), self._num_load_tokens(spec), copied, ranks[0].engine_id
         )
@@ -423,7 +421,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         self._loader.shutdown()
-        self._releaser.shutdown(wait=False, cancel_futures=True)
+        self._releaser.shutdown(wait=False)  # queued releases still go out
         if self.transport is not None:
             self.transport.close()
             self.transport = None
