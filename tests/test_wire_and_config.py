@@ -113,7 +113,7 @@ def test_remote_prefill_params_parse():
         ("remote_host", None, "remote_host"),
         ("remote_port", -1, "remote_port must be in 1..65535, got -1"),
         ("remote_port", 70000, "remote_port"),
-        ("remote_host", "bad host!", "remote_host is not a host name"),
+        ("remote_host", "bad host!", "remote_host 'bad host!' is not a host name"),
         ("staged_layout", "weird", "staged_layout 'weird' is unknown"),
         ("staged_block_size", 0, "staged_block_size"),
         ("generation", 0, "generation"),

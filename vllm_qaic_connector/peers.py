@@ -18,11 +18,11 @@ from vllm_qaic_connector.layout import LAYOUTS
 from vllm_qaic_connector.qaic_target import torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelTimeout
 from vllm_qaic_connector.wire import (
-    HOST_RE,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
     RankMetadata,
+    address_problem,
     incompatibility,
 )
 
@@ -73,14 +73,6 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
     return None
 
 
-def _address_problem(host: object, port: object) -> str | None:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        return f"port must be in 1..65535, got {port!r}"
-    if not isinstance(host, str) or not HOST_RE.fullmatch(host):
-        return f"host {host!r} is not a host name"
-    return None
-
-
 class PeerRefused(ConnectionError):
     """The peer answered, but we cannot use it (a bad or incompatible handshake)."""
 
@@ -118,7 +110,7 @@ class PeerDirectory:
             raise ConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
 
     def _handshake(self, host: str, port: int) -> list[RankMetadata]:
-        problem = _address_problem(host, port)
+        problem = address_problem(host, port)
         if problem:
             raise ConnectionError(f"bad peer address {host!r}:{port!r}: {problem}")
         request = HandshakeRequest(PROTOCOL_VERSION, self.engine_id)

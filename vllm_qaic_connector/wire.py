@@ -178,11 +178,12 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
 def _remote_prefill_problem(p: RemotePrefill) -> str | None:
     from vllm_qaic_connector.layout import LAYOUTS
 
+    bad_address = address_problem(p.remote_host, p.remote_port, "remote_")
+    if bad_address:
+        return bad_address
     checks = [
         (p.num_tokens > 0, f"num_tokens must be > 0, got {p.num_tokens}"),
         (p.staging_offset >= 0, f"staging_offset must be >= 0, got {p.staging_offset}"),
-        (0 < p.remote_port < 65536, f"remote_port must be in 1..65535, got {p.remote_port}"),
-        (HOST_RE.fullmatch(p.remote_host), f"remote_host is not a host name: {p.remote_host!r}"),
         (p.staged_layout in LAYOUTS, f"staged_layout {p.staged_layout!r} is unknown"),
         (p.staged_block_size > 0, f"staged_block_size must be > 0, got {p.staged_block_size}"),
         (p.generation > 0, f"generation must be > 0, got {p.generation}"),
@@ -190,3 +191,12 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
         (p.lease_s > 0, f"lease_s must be > 0, got {p.lease_s}"),
     ]
     return next((why for ok, why in checks if not ok), None)
+
+
+def address_problem(host: object, port: object, field_prefix: str = "") -> str | None:
+    """Names what is wrong with a peer address (``field_prefix`` + port/host), or None."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        return f"{field_prefix}port must be in 1..65535, got {port!r}"
+    if not isinstance(host, str) or not HOST_RE.fullmatch(host):
+        return f"{field_prefix}host {host!r} is not a host name"
+    return None
