@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.config import KEY_ENV, load_key
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.qaic_buffers import apply_prefix
@@ -45,6 +45,7 @@ from vllm_qaic_connector.wire import (
     RemotePrefill,
     compat_hash,
     parse_remote_prefill,
+    ticket_problem,
 )
 
 logger = init_logger(__name__)
@@ -256,6 +257,9 @@ class Emulator:
             remote = parse_remote_prefill(params)
         except ValueError as exc:
             raise RequestError(400, str(exc)) from None
+        forged = ticket_problem(remote, self.key)
+        if forged:
+            raise RequestError(403, forged)
         slot: int | None = None
         released = False
         try:
@@ -360,6 +364,7 @@ def main() -> None:
     add("--kv-cache-prefix", default=None, help="QEfficient kv_cache_prefix of the KV buffers")
     add("--slot-wait-s", type=float, default=60.0, help="longest wait for a free slot")
     add("--corrupt", action="store_true", help="negative control: zero the slot KV")
+    add("--side-channel-key-file", default=None, help=f"shared key (else ${KEY_ENV})")
     args = vars(parser.parse_args())
     port = args.pop("port")
     # vLLM configures only its own "vllm" loggers; ours would drop INFO without this.
@@ -367,8 +372,8 @@ def main() -> None:
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     torch.set_num_threads(1)
-    key = os.environ.get("QAIC_KV_SIDE_CHANNEL_KEY")
-    emulator = Emulator(EmulatorConfig(**args), key.encode() if key else None)
+    key = load_key(args.pop("side_channel_key_file"))
+    emulator = Emulator(EmulatorConfig(**args), key)
     try:  # run_app turns SIGTERM/SIGINT into a normal return
         web.run_app(emulator.app(), host=emulator.cfg.host, port=port, print=None)
     finally:

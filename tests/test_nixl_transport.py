@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("nixl")
 
 from tests.nixl_peer import RANGES, SEED, SIZE, decode, encode, pattern  # noqa: E402
+from tests.rank_worker import make_worker  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
 from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
 
@@ -155,13 +156,12 @@ def test_reader_gets_owner_bytes_and_owner_gets_notification(owner_factory, monk
 def test_close_deregisters_and_removes_agents_and_is_idempotent(owner_factory):
     owner, endpoint = owner_factory(f"qaic_owner_{PID}_close")
     reader = NixlTransport(f"qaic_reader_{PID}_close", 1 << 20)
-    reader.register_kv_caches([torch.zeros(4, 1024), torch.zeros(2, 512)])
     reader.read(endpoint, 0, 4096)  # arena
     reader.read(endpoint, 100, 2 << 20)  # larger than the arena: one-off registration
     agent, regs = reader._agent, list(reader._regs)
     owner_name = split_address(endpoint.address)[0]
-    # staging + 2 KV caches + arena + one-off
-    assert reader.registrations == 5 and reader.remote_agents == [owner_name]
+    # staging + arena + one-off
+    assert reader.registrations == 3 and reader.remote_agents == [owner_name]
     assert agent.check_remote_metadata(owner_name)
     reader.close()
     reader.close()
@@ -309,3 +309,28 @@ def test_forget_peer_drops_its_reads_and_a_later_read_reconnects():
     finally:
         reader.close()
         owner.close()
+
+
+def test_a_worker_registers_only_its_staging_so_its_kv_cache_cannot_be_read():
+    """Least exposure: a real worker's NIXL agent registers its staging region, not its KV
+    caches, so a peer that knows a KV cache's address still cannot READ it."""
+    args = {"engine": f"nx{PID}", "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
+    extra = {"transport": "nixl", "staging_bytes": 1 << 20}
+    worker = make_worker({**args, "layout": "cuda_nhd", "extra": extra}, seed=0)
+    reader = NixlTransport(f"qaic_reader_{PID}_kv", 1 << 16, timeout_s=10.0)
+    try:
+        own = worker.transport
+        assert isinstance(own, NixlTransport) and own.registrations == 1  # staging only
+        own.staging[:64] = torch.arange(64, dtype=torch.uint8)
+        staging = own.endpoint()
+        assert torch.equal(reader.read(staging, 0, 64), own.staging[:64])
+        assert reader.registrations == 2  # its staging + the receive arena of that read
+        agent = split_address(staging.address)[0]
+        key = worker.layers[0][0]
+        assert key.abs().sum() > 0  # random KV: a successful read would be noticed
+        kv = TransportEndpoint("nixl", f"{agent}@{key.data_ptr():#x}", 4096, staging.agent_metadata)
+        with pytest.raises(ConnectionError, match=agent):
+            reader.read(kv, 0, 4096)
+    finally:
+        reader.close()
+        worker.shutdown()

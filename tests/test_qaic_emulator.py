@@ -4,6 +4,7 @@ prefill vLLM -> emulator handoff through scripts/run_accuracy_test.sh (slow)."""
 from __future__ import annotations
 
 import asyncio
+import time
 import os
 import re
 import sys
@@ -100,6 +101,7 @@ class FakePrefill:
             generation=self.generation,
             prompt_hash=prompt_hash(ids),
             lease_s=60.0,
+            expires_at=time.time() + 60.0,
         )
         return msgspec.to_builtins(params)
 

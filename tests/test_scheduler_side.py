@@ -10,6 +10,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.config import KEY_ENV
 from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
 from vllm_qaic_connector.wire import (
@@ -194,6 +195,7 @@ def remote_params(n: int, first: int = 5, port: int = 1, lease_s: float = 120.0)
         "generation": 1 << 32,
         "prompt_hash": prompt_hash(make_request("x", n, first=first).prompt_token_ids),
         "lease_s": lease_s,
+        "expires_at": time.time() + lease_s,
     }
 
 
@@ -411,9 +413,85 @@ def test_leases_renewed_while_the_decode_wants_the_kv(decode):
         time.sleep(2.0)
         side.pool.expire()
         assert side.pool.has("p1"), "the lease ran out while the decode still wanted it"
+        # The decode knows the renewals took: the lease holds past the ticket's expiry.
+        renewed_until = decode.connector.scheduler._renewer.holds_until("d1")
+        assert renewed_until > params["expires_at"] + 1.0
         step(decode, KVConnectorOutput(finished_recving={"d1"}))  # loaded: renewals stop
         time.sleep(1.5)
         side.pool.expire()
         assert not side.pool.has("p1")
     finally:
         sched.connector.shutdown()
+
+
+def signed_pair(monkeypatch, key: str):
+    monkeypatch.setenv(KEY_ENV, key)
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    return sched
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {"staging_offset": 4096},
+        {"generation": 12345},
+        {"remote_request_id": "someone-else"},
+        {"expires_at": time.time() + 3600},
+        {"remote_port": 2},
+        {"ticket_mac": ""},
+        {"ticket_mac": "00" * 32},
+    ],
+)
+def test_edited_signed_ticket_is_a_load_error(monkeypatch, edit):
+    """With a key, every field of the returned params is signed: an edit is refused before
+    the decode contacts anyone, and the untouched ticket still works."""
+    sched = signed_pair(monkeypatch, "k" * 32)
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        _, outputs = step(sched)
+        params = params_of(outputs, "p1")
+        assert params is not None and len(params["ticket_mac"]) == 64
+        decode.add_request(make_request("good", 45, dict(params), max_tokens=3))
+        decode.add_request(make_request("bad", 45, {**params, **edit}, max_tokens=3))
+        out, _ = step(decode)
+        loads = {spec.request_id: spec for spec in meta(out).loads}
+        assert loads["good"].error is None and loads["good"].remote is not None
+        bad = loads["bad"]
+        assert bad.remote is None and "ticket_mac" in bad.error, bad.error
+        assert "k" * 16 not in bad.error
+    finally:
+        decode.connector.shutdown()
+        sched.connector.shutdown()
+
+
+def test_ticket_signed_with_another_key_is_refused(monkeypatch):
+    sched = signed_pair(monkeypatch, "a" * 32)
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        _, outputs = step(sched)
+        params = params_of(outputs, "p1")
+    finally:
+        sched.connector.shutdown()
+    monkeypatch.setenv(KEY_ENV, "b" * 32)
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    try:
+        decode.add_request(make_request("d1", 45, params, max_tokens=3))
+        out, _ = step(decode)
+        (load,) = meta(out).loads
+        assert load.remote is None and "forged or edited" in load.error
+    finally:
+        decode.connector.shutdown()
+
+
+def test_expired_ticket_is_a_load_error_and_a_live_one_carries_its_deadline(decode):
+    stale = remote_params(45)
+    stale["expires_at"] = time.time() - 5
+    decode.add_request(make_request("old", 45, stale, max_tokens=3))
+    fresh = remote_params(45)
+    decode.add_request(make_request("new", 45, fresh, max_tokens=3))
+    out, _ = step(decode)
+    loads = {spec.request_id: spec for spec in meta(out).loads}
+    assert loads["old"].remote is None and "expired" in loads["old"].error
+    assert loads["new"].error is None and loads["new"].holds_until == fresh["expires_at"]

@@ -97,6 +97,7 @@ def good_params() -> dict:
         "generation": 7 << 32,
         "prompt_hash": "0" * 32,
         "lease_s": 120.0,
+        "expires_at": 1.9e9,
         "extra_field_from_a_newer_proxy": 1,
     }
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
+import stat
 from typing import Any, Literal
 
 import msgspec
 
 PREFIX_RE = re.compile(r"[A-Za-z0-9]+")  # ASCII only: it becomes part of buffer names
+KEY_ENV = "QAIC_KV_SIDE_CHANNEL_KEY"
+MIN_KEY_BYTES = 16
 
 
 class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -18,7 +22,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0  # 0: pick a free port; it travels in kv_transfer_params
     side_channel_advertise_host: str | None = None
-    side_channel_key: str | None = None
+    side_channel_key: str | None = None  # refused: see __post_init__
+    side_channel_key_file: str | None = None
+    allow_unauthenticated: bool = False
     staging_bytes: int = 256 << 20
     staging_page_bytes: int = 256 << 10
     staging_wait_s: float = 5.0
@@ -30,6 +36,12 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     debug_corrupt_loaded_kv: bool = False
 
     def __post_init__(self) -> None:
+        if self.side_channel_key is not None:
+            raise ValueError(
+                "side_channel_key is not accepted: --kv-transfer-config shows in "
+                "/proc/<pid>/cmdline and in vLLM's config log. Put the key in a file named by "
+                f"side_channel_key_file (mode 0600) or in ${KEY_ENV}"
+            )
         positive = {
             "staging_bytes": self.staging_bytes,
             "staging_page_bytes": self.staging_page_bytes,
@@ -62,13 +74,67 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 
     @property
     def shared_key(self) -> bytes | None:
-        key = self.side_channel_key or os.environ.get("QAIC_KV_SIDE_CHANNEL_KEY")
-        return key.encode() if key else None
+        return load_key(self.side_channel_key_file)
+
+    def exposure_problem(self) -> str | None:
+        """Why the side channel must not listen where it is told to, or None: off loopback,
+        anyone who reaches the port could read and free staged KV."""
+        if self.allow_unauthenticated or self.shared_key is not None:
+            return None
+        if is_loopback(self.side_channel_host):
+            return None
+        return (
+            f"side_channel_host {self.side_channel_host!r} is not a loopback address and no "
+            f"key is set: set side_channel_key_file or ${KEY_ENV}, or set "
+            "allow_unauthenticated: true on an isolated network"
+        )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+def load_key(key_file: str | None) -> bytes | None:
+    """The shared key, from ``key_file`` or the environment; never logged. Raises ValueError
+    naming the problem (never the key)."""
+    if key_file is None:
+        key = os.environ.get(KEY_ENV, "").encode()
+        where = f"${KEY_ENV}"
+    else:
+        try:
+            fd = os.open(key_file, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ValueError(f"side_channel_key_file {key_file!r}: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ValueError(
+                    f"side_channel_key_file {key_file!r} is open to other users "
+                    f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it"
+                )
+            key, where = f.read().strip(), f"side_channel_key_file {key_file!r}"
+        if not key:
+            raise ValueError(f"{where} is empty")
+    if not key:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the key in {where} is shorter than {MIN_KEY_BYTES} bytes")
+    return key
 
 
 def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     """Validate ``kv_connector_extra_config``; the error names the offending key."""
     try:
-        return msgspec.convert(extra or {}, ConnectorConfig)
+        cfg = msgspec.convert(extra or {}, ConnectorConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid kv_connector_extra_config: {exc}") from None
+    cfg.shared_key  # noqa: B018 -- an unusable key fails at start-up, by name
+    problem = cfg.exposure_problem()
+    if problem:
+        raise ValueError(problem)
+    return cfg

@@ -1,16 +1,22 @@
 """Lease renewal, decode side: while a request still wants its staged KV (queued, waiting
 for blocks, or loading), the decode renews the prefill's lease on it, every third of the
-lease. A decode that died or forgot the request stops renewing, and the lease runs out."""
+lease. A decode that died or forgot the request stops renewing, and the lease runs out.
+
+It also knows until when each lease holds (the ticket's expiry, pushed back by each renewal
+the prefill confirmed), so a load that would start after it fails at once instead of
+reading a region that is no longer ours.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.wire import RemotePrefill, RenewRequest
+from vllm_qaic_connector.wire import RemotePrefill, Renewed, RenewRequest
 
 logger = init_logger(f"vllm.{__name__}")
 MIN_PERIOD_S, MAX_PERIOD_S = 0.1, 10.0
@@ -20,6 +26,7 @@ class LeaseRenewer:
     def __init__(self, key: bytes | None, timeout_s: float) -> None:
         self._key, self._timeout_s = key, timeout_s
         self._wanted: dict[str, RemotePrefill] = {}
+        self._holds_until: dict[str, float] = {}  # unix time
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -27,15 +34,22 @@ class LeaseRenewer:
     def want(self, request_id: str, remote: RemotePrefill) -> None:
         with self._lock:
             self._wanted[request_id] = remote
+            self._holds_until[request_id] = remote.expires_at
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="qaic-lease-renewal", daemon=True
                 )
                 self._thread.start()
 
+    def holds_until(self, request_id: str) -> float:
+        """Unix time the request's lease is known to hold until (0: not wanted)."""
+        with self._lock:
+            return self._holds_until.get(request_id, 0.0)
+
     def drop(self, request_id: str) -> None:
         with self._lock:
             self._wanted.pop(request_id, None)
+            self._holds_until.pop(request_id, None)
 
     def _period(self) -> float:
         with self._lock:
@@ -44,17 +58,31 @@ class LeaseRenewer:
 
     def _run(self) -> None:
         while not self._stop.wait(self._period()):
-            by_peer: dict[tuple[str, int], list[str]] = defaultdict(list)
+            by_peer: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
             with self._lock:
-                for remote in self._wanted.values():
+                for rid, remote in self._wanted.items():
                     peer = (remote.remote_host, remote.remote_port)
-                    by_peer[peer].append(remote.remote_request_id)
+                    by_peer[peer][remote.remote_request_id] = rid
             for (host, port), ids in by_peer.items():
-                timeout = min(self._timeout_s, self._period())
-                try:
-                    side_channel.call(host, port, RenewRequest(ids), self._key, timeout)
-                except ConnectionError as exc:  # its loads fail on their own; keep going
-                    logger.debug("QAICConnector: renewal at %s:%d failed: %s", host, port, exc)
+                self._renew(host, port, ids)
+
+    def _renew(self, host: str, port: int, ids: dict[str, str]) -> None:
+        """``ids``: the prefill's request id -> ours."""
+        sent = time.time()
+        timeout = min(self._timeout_s, self._period())
+        try:
+            reply = side_channel.call(host, port, RenewRequest(list(ids)), self._key, timeout)
+        except ConnectionError as exc:  # its loads fail on their own; keep going
+            logger.debug("QAICConnector: renewal at %s:%d failed: %s", host, port, exc)
+            return
+        if not isinstance(reply, Renewed):
+            return
+        with self._lock:
+            for remote_id in reply.request_ids:
+                rid = ids.get(remote_id)
+                remote = self._wanted.get(rid) if rid is not None else None
+                if rid is not None and remote is not None:
+                    self._holds_until[rid] = max(self._holds_until[rid], sent + remote.lease_s)
 
     def close(self) -> None:
         self._stop.set()

@@ -6,6 +6,7 @@ decode's layout before it stages (without blocking the engine: `poll` never wait
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -17,6 +18,8 @@ from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.layout import LAYOUTS
 from vllm_qaic_connector.qaic_target import torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelTimeout
+from vllm_qaic_connector.transports.base import staging_name
+from vllm_qaic_connector.transports.nixl import split_address
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
@@ -36,6 +39,31 @@ _AGREED = (
     "head_size", "dtype", "model", "compat_hash",
 )  # fmt: skip
 ENDPOINT_KINDS = ("shm", "nixl")
+# Both go into segment and agent names: no "/", no NUL, bounded; vLLM's default is a uuid4.
+ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+INCARNATION = re.compile(r"[0-9a-f]{16}")  # tickets.new_incarnation()
+
+
+def _name_problem(i: int, r: RankMetadata) -> str | None:
+    """A peer may only point us at its own segment (or agent): the one its handshake's
+    engine_id, tp_rank and incarnation name, never another engine's or a path."""
+    if not ENGINE_ID.fullmatch(r.engine_id):
+        return f"rank {i} engine_id {r.engine_id!r} is not a safe name ({ENGINE_ID.pattern})"
+    if not INCARNATION.fullmatch(r.incarnation):
+        return f"rank {i} incarnation {r.incarnation!r} is not 16 lowercase hex digits"
+    want, named = staging_name(r.engine_id, r.tp_rank, r.incarnation), r.endpoint.address
+    if r.endpoint.kind == "nixl":
+        try:
+            named = split_address(named)[0]
+        except ValueError:
+            return f"rank {i} endpoint.address {named!r} is not agent@0xbase"
+    if named != want:
+        return (
+            f"rank {i} endpoint.address {r.endpoint.address!r} is not the "
+            f"{'segment' if r.endpoint.kind == 'shm' else 'agent'} its handshake implies "
+            f"({want!r})"
+        )
+    return None
 
 
 def check_ranks(ranks: list[RankMetadata]) -> str | None:
@@ -64,6 +92,9 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
             return f"rank {i} endpoint.kind {r.endpoint.kind!r} is unknown"
         if r.endpoint.size <= 0:
             return f"rank {i} endpoint.size must be > 0, got {r.endpoint.size}"
+        problem = _name_problem(i, r)
+        if problem:
+            return problem
         for field in _AGREED:
             if getattr(r, field) != getattr(first, field):
                 return (

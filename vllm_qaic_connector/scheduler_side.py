@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
-from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.peers import PeerDirectory
@@ -32,8 +32,11 @@ from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
     RemotePrefill,
+    Renewed,
     RenewRequest,
     parse_remote_prefill,
+    ticket_mac,
+    ticket_problem,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +75,7 @@ class LoadSpec:
     first_token: int
     remote: RemotePrefill | None
     error: str | None = None
+    holds_until: float = 0.0  # unix time the staging lease is known to hold (0: unchecked)
 
 
 @dataclass
@@ -129,11 +133,18 @@ class SchedulerSide:
         self._acks: dict[str, set[tuple[int, int]]] = {}
         self._acks_lock = threading.Lock()
         self._generations = Generations()
-        self._renewer = LeaseRenewer(cfg.shared_key, cfg.handshake_timeout_s)
-        self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
+        self._key = cfg.shared_key
+        self._renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
+        self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         self._server = SideChannelServer(
-            cfg.side_channel_host, cfg.side_channel_port, self._handle, cfg.shared_key
+            cfg.side_channel_host, cfg.side_channel_port, self._handle, self._key
         )
+        if self._key is None and not is_loopback(cfg.side_channel_host):
+            logger.warning(
+                "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
+                "anyone who reaches it can read staged KV and free staging",
+                cfg.side_channel_host,
+            )
         logger.info(
             "QAICConnector scheduler: engine %s, side channel %s:%d, staging %d pages x %d B",
             self.engine_id,
@@ -162,9 +173,7 @@ class SchedulerSide:
             self._expire_leases()
             return Ok()
         if isinstance(msg, RenewRequest):
-            for rid in msg.request_ids:
-                self.pool.renew(rid)
-            return Ok()
+            return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def _expire_leases(self) -> None:
@@ -213,6 +222,14 @@ class SchedulerSide:
         try:
             parsed = parse_remote_prefill(params)
             num_tokens = parsed.num_tokens
+            forged = ticket_problem(parsed, self._key)
+            if forged:  # before anything else: an unsigned peer address is not contacted
+                raise ValueError(forged)
+            if parsed.expires_at < time.time():
+                raise ValueError(
+                    f"the ticket expired {time.time() - parsed.expires_at:.1f}s ago "
+                    f"(lease_s={parsed.lease_s})"
+                )
             if num_tokens > len(prompt):
                 raise ValueError(
                     f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
@@ -247,7 +264,12 @@ class SchedulerSide:
         first_token, remote, error = matched
         params["do_remote_prefill"] = False  # load once, even if rescheduled
         self._pending_loads[request.request_id] = LoadSpec(
-            request.request_id, list(blocks.get_block_ids()[0]), first_token, remote, error
+            request.request_id,
+            list(blocks.get_block_ids()[0]),
+            first_token,
+            remote,
+            error,
+            self._renewer.holds_until(request.request_id),
         )
 
     # --- prefill side: saves --------------------------------------------------------------
@@ -404,7 +426,10 @@ class SchedulerSide:
             generation=spec.generation,
             prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
             lease_s=self.cfg.lease_s,
+            expires_at=time.time() + self.pool.expires_in(rid),
         )
+        if self._key is not None:
+            params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, self._key))
         # The save ran in the step that finished the prompt, so the blocks can go now.
         return False, msgspec.to_builtins(params)
 

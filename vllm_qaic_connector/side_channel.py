@@ -6,6 +6,7 @@ are answered with an ErrorReply where the envelope allows a reply, and dropped o
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import zmq
 from vllm.logger import init_logger
 
-from vllm_qaic_connector.wire import ErrorReply, Message, decode_message, encode_message
+from vllm_qaic_connector.wire import NONCE_BYTES, ErrorReply, Message, encode_message, open_message
 
 Handler = Callable[[Message], Message]
 logger = init_logger(f"vllm.{__name__}")
@@ -22,6 +23,32 @@ MAX_MESSAGE_BYTES = 1 << 20  # requests are small; libzmq drops a peer that send
 MAX_REPLY_BYTES = 64 << 20  # handshake replies carry NIXL agent metadata
 SEND_TIMEOUT_MS = 1000
 COMPLAIN_EVERY_S = 10.0
+MAX_AGE_S = 30.0  # with a key, frames sent longer ago (or later) than this are refused
+
+
+class ReplayGuard:
+    """Remembers the nonces of the last MAX_AGE_S: a frame is accepted once, while fresh."""
+
+    def __init__(self, max_age_s: float = MAX_AGE_S) -> None:
+        self.max_age_s = max_age_s
+        self._seen: dict[bytes, float] = {}  # nonce -> when it expires from memory
+
+    def problem(self, nonce: bytes, sent_at: float, now: float | None = None) -> str | None:
+        now = time.time() if now is None else now
+        if abs(now - sent_at) > self.max_age_s:
+            return (
+                f"stale message: sent {now - sent_at:+.1f}s from now, more than "
+                f"{self.max_age_s:.0f}s (peers' clocks must agree)"
+            )
+        while self._seen:  # insertion order is expiry order
+            oldest, until = next(iter(self._seen.items()))
+            if until > now:
+                break
+            del self._seen[oldest]
+        if nonce in self._seen:
+            return "replayed message: its nonce was seen before"
+        self._seen[nonce] = now + 2 * self.max_age_s
+        return None
 
 
 class SideChannelTimeout(ConnectionError, TimeoutError):
@@ -66,6 +93,7 @@ class SideChannelServer:
             raise
         self._handler = handler
         self._key = key
+        self._replays = ReplayGuard()  # only this thread touches it
         self._complain = _Complaints()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="qaic-side-channel", daemon=True)
@@ -93,25 +121,31 @@ class SideChannelServer:
             self._complain("dropped a message of %d frames without a REQ envelope", len(frames))
             return
         reply: Message
+        nonce = b""
         if len(frames) != 3:
             reply = ErrorReply(f"expected one payload frame, got {len(frames) - 2}")
             self._complain("refused a message: %s", reply.message)
         else:
             try:
-                msg = decode_message(frames[2], self._key)
+                envelope = open_message(frames[2], self._key)
+                nonce = envelope.nonce
+                if self._key:  # without a key anyone can forge a fresh frame anyway
+                    replayed = self._replays.problem(nonce, envelope.sent_at)
+                    if replayed:
+                        raise ValueError(replayed)
             except ValueError as exc:
                 reply = ErrorReply(str(exc))
                 self._complain("refused a message: %s", exc)
             else:
                 try:
-                    reply = self._handler(msg)
+                    reply = self._handler(envelope.message)
                 except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
-                    self._complain("handler failed on %s: %r", type(msg).__name__, exc)
+                    kind = type(envelope.message).__name__
+                    self._complain("handler failed on %s: %r", kind, exc)
                     reply = ErrorReply(str(exc) or type(exc).__name__)
+        frame = encode_message(reply, self._key, in_reply_to=nonce)
         try:
-            self._sock.send_multipart(
-                [frames[0], b"", encode_message(reply, self._key)], zmq.NOBLOCK
-            )
+            self._sock.send_multipart([frames[0], b"", frame], zmq.NOBLOCK)
         except zmq.Again:
             self._complain("dropped a reply: the peer is not reading")
 
@@ -131,10 +165,14 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    nonce = secrets.token_bytes(NONCE_BYTES)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(encode_message(msg, key))
-        reply = decode_message(sock.recv(), key)
+        sock.send(encode_message(msg, key, nonce=nonce))
+        envelope = open_message(sock.recv(), key)
+        if key and envelope.in_reply_to != nonce:  # a replayed, or someone else's, reply
+            raise ValueError("the reply does not answer our request")
+        reply = envelope.message
     except zmq.Again:
         raise SideChannelTimeout(f"side channel {host}:{port} silent for {timeout_s}s") from None
     except ValueError as exc:  # unauthenticated or malformed reply

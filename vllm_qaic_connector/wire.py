@@ -1,15 +1,22 @@
-"""Everything that crosses a process boundary: side-channel messages and transfer params."""
+"""Everything that crosses a process boundary: side-channel messages, transfer params and
+NIXL acknowledgements, with the MACs that authenticate them when a key is set.
+
+One key serves three purposes; each MAC covers a purpose label first, so a MAC made for one
+purpose (say, a ticket) is never valid for another (a side-channel frame).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import re
+import secrets
+import time
 from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -92,14 +99,22 @@ class RenewRequest(msgspec.Struct, tag="renew", frozen=True):
     request_ids: list[str]
 
 
-def ack_message(request_id: str, reader_rank: int, reader_tp: int, source_rank: int) -> bytes:
-    """The notification a reader attaches to its read of one source rank."""
-    return _encoder.encode(ReleaseRequest([request_id], reader_rank, reader_tp, [source_rank]))
+def ack_message(
+    request_id: str, reader_rank: int, reader_tp: int, source_rank: int, key: bytes | None
+) -> bytes:
+    """The notification a reader attaches to its read of one source rank (it frees staging,
+    so with a key it carries a MAC)."""
+    payload = _encoder.encode(ReleaseRequest([request_id], reader_rank, reader_tp, [source_rank]))
+    return _mac(key, b"ack", payload) + payload
 
 
-def parse_ack(message: bytes) -> ReleaseRequest | None:
+def parse_ack(message: bytes, key: bytes | None) -> ReleaseRequest | None:
+    """None for anything but a well-formed acknowledgement (authenticated, with a key)."""
+    mac, payload = message[:_MAC_LEN], message[_MAC_LEN:]
+    if key and not hmac.compare_digest(mac, _mac(key, b"ack", payload)):
+        return None
     try:
-        return msgspec.msgpack.decode(message, type=ReleaseRequest)
+        return msgspec.msgpack.decode(payload, type=ReleaseRequest)
     except msgspec.DecodeError:
         return None
 
@@ -112,27 +127,61 @@ class ErrorReply(msgspec.Struct, tag="error", frozen=True):
     message: str
 
 
-Message = HandshakeRequest | HandshakeReply | ReleaseRequest | RenewRequest | Ok | ErrorReply
+class Renewed(msgspec.Struct, tag="renewed", frozen=True):
+    """The requests of a RenewRequest whose leases were renewed (the rest are gone)."""
+
+    request_ids: list[str]
+
+
+Message = (
+    HandshakeRequest | HandshakeReply | ReleaseRequest | RenewRequest | Renewed | Ok | ErrorReply
+)
+
+
+class Envelope(msgspec.Struct, frozen=True, array_like=True):
+    """A side-channel frame's content. The nonce and the send time, inside the MAC, make a
+    captured frame useless later; a reply names the nonce of the request it answers."""
+
+    nonce: bytes
+    sent_at: float  # unix time
+    in_reply_to: bytes
+    message: Message
+
+
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(Message)
+_decoder = msgspec.msgpack.Decoder(Envelope)
 _MAC_LEN = 32
+NONCE_BYTES = 16
 
 
-def encode_message(msg: Message, key: bytes | None) -> bytes:
-    payload = _encoder.encode(msg)
-    mac = hmac.new(key, payload, hashlib.sha256).digest() if key else b"\0" * _MAC_LEN
-    return mac + payload
+def _mac(key: bytes | None, purpose: bytes, payload: bytes) -> bytes:
+    if not key:
+        return b"\0" * _MAC_LEN
+    return hmac.new(key, purpose + b"\0" + payload, hashlib.sha256).digest()
 
 
-def decode_message(frame: bytes, key: bytes | None) -> Message:
-    """Raises ValueError on a bad MAC (when a key is set) or a malformed message."""
+def encode_message(
+    msg: Message, key: bytes | None, *, nonce: bytes | None = None, in_reply_to: bytes = b""
+) -> bytes:
+    envelope = Envelope(nonce or secrets.token_bytes(NONCE_BYTES), time.time(), in_reply_to, msg)
+    payload = _encoder.encode(envelope)
+    return _mac(key, b"side-channel", payload) + payload
+
+
+def open_message(frame: bytes, key: bytes | None) -> Envelope:
+    """Raises ValueError on a bad MAC (when a key is set) or a malformed frame. Freshness
+    and replays are the receiver's to check (see side_channel.ReplayGuard)."""
     mac, payload = frame[:_MAC_LEN], frame[_MAC_LEN:]
-    if key and not hmac.compare_digest(mac, hmac.new(key, payload, hashlib.sha256).digest()):
+    if key and not hmac.compare_digest(mac, _mac(key, b"side-channel", payload)):
         raise ValueError("side-channel message failed authentication")
     try:
         return _decoder.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(f"malformed side-channel message: {exc}") from None
+
+
+def decode_message(frame: bytes, key: bytes | None) -> Message:
+    return open_message(frame, key).message
 
 
 # --- kv_transfer_params --------------------------------------------------------------------
@@ -155,12 +204,26 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     generation: int  # repeated in the staged region's header while the region is ours
     prompt_hash: str  # of token ids [0, num_tokens): KV of another prompt is never used
     lease_s: float  # the prefill frees the region this long after the last renewal
+    expires_at: float  # unix time the lease ends unless renewed
+    ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
 
 
-class StagedPrefill(RemotePrefill, frozen=True, kw_only=True):
-    """What the prefill returns; the proxy forwards it to the decode unchanged."""
+def ticket_mac(params: RemotePrefill, key: bytes) -> str:
+    """The MAC a prefill puts on the params it returns: over every field but the MAC, so an
+    edited engine, request, offset, size, generation, prompt or expiry fails it."""
+    unsigned = msgspec.structs.replace(params, do_remote_prefill=True, ticket_mac="")
+    return _mac(key, b"ticket", _encoder.encode(unsigned)).hex()
 
-    do_remote_decode: bool = False
+
+def ticket_problem(params: RemotePrefill, key: bytes | None) -> str | None:
+    """Why a decode must not use these params (a missing or wrong MAC), or None."""
+    if key is None:
+        return None
+    if not params.ticket_mac:
+        return "ticket_mac is missing: this decode only accepts signed kv_transfer_params"
+    if not hmac.compare_digest(params.ticket_mac, ticket_mac(params, key)):
+        return "ticket_mac does not match: the kv_transfer_params were forged or edited"
+    return None
 
 
 def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
@@ -189,6 +252,7 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
         (p.generation > 0, f"generation must be > 0, got {p.generation}"),
         (HASH_RE.fullmatch(p.prompt_hash), "prompt_hash must be 32 lowercase hex digits"),
         (p.lease_s > 0, f"lease_s must be > 0, got {p.lease_s}"),
+        (p.expires_at > 0, f"expires_at must be > 0, got {p.expires_at}"),
     ]
     return next((why for ok, why in checks if not ok), None)
 

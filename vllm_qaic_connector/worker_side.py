@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -39,7 +40,7 @@ from vllm_qaic_connector.tickets import (
     new_incarnation,
 )
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
-from vllm_qaic_connector.transports import KVTransport, create_transport
+from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
@@ -129,7 +130,8 @@ class WorkerSide:
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
         self.incarnation = new_incarnation()
-        self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
+        self._key = cfg.shared_key
+        self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         self._loader = Loader(self._load, self._failed, cfg.load_timeout_s)
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
         self._headers: RegionHeaders | None = None
@@ -180,11 +182,10 @@ class WorkerSide:
                 self.geometry.block_size, self.geometry.head_size, self.geometry.dtype
             )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
-        name = f"qaic_kv_{self.engine_id}_r{self.tp_rank}_{self.incarnation}"
+        name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
         self.transport = create_transport(
             self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s
         )
-        self.transport.register_kv_caches(tensors)
         self._headers = RegionHeaders(self.transport.staging)
         model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
@@ -313,6 +314,9 @@ class WorkerSide:
         assert self.transport is not None
         remote = spec.remote
         ranks = self._peer_ranks(remote)
+        if spec.holds_until and time.time() > spec.holds_until:
+            late = time.time() - spec.holds_until
+            raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
         total = self.identity.total_kv_heads
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
         copied = 0
@@ -329,7 +333,11 @@ class WorkerSide:
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
             notify = ack_message(
-                remote.remote_request_id, self.tp_rank, self.tp_size, source.src_rank
+                remote.remote_request_id,
+                self.tp_rank,
+                self.tp_size,
+                source.src_rank,
+                self._key,
             )
             with (
                 checked_read(
@@ -376,7 +384,7 @@ class WorkerSide:
                 spec.remote.remote_host,
                 spec.remote.remote_port,
                 ReleaseRequest([spec.remote.remote_request_id], self.tp_rank, self.tp_size),
-                self.cfg.shared_key,
+                self._key,
                 self.cfg.handshake_timeout_s,
             )
         except ConnectionError as exc:
@@ -390,7 +398,7 @@ class WorkerSide:
         """Decode ranks' acknowledgements that arrived with their reads (prefill side)."""
         if self.transport is None:
             return None
-        acks = [a for m in self.transport.poll_notifications() if (a := parse_ack(m))]
+        acks = [a for m in self.transport.poll_notifications() if (a := parse_ack(m, self._key))]
         return QAICWorkerMetadata(acks) if acks else None
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:

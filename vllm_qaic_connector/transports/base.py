@@ -10,6 +10,12 @@ import torch
 from vllm_qaic_connector.wire import TransportEndpoint
 
 
+def staging_name(engine_id: str, tp_rank: int, incarnation: str) -> str:
+    """The shm segment (or NIXL agent) of one rank. The random incarnation makes it
+    unguessable; peers check a handshake's endpoint against it (`peers.check_ranks`)."""
+    return f"qaic_kv_{engine_id}_r{tp_rank}_{incarnation}"
+
+
 class KVTransport(ABC):
     """Moves staged KV bytes from a prefill rank to a decode rank."""
 
@@ -27,9 +33,6 @@ class KVTransport(ABC):
     @abstractmethod
     def endpoint(self) -> TransportEndpoint:
         """How peers reach the staging region; travels in the handshake."""
-
-    def register_kv_caches(self, caches: list[torch.Tensor]) -> None:  # noqa: B027
-        """Transports that DMA into the KV cache register it here; others need nothing."""
 
     # True when a read can carry a message that the peer receives (`poll_notifications`);
     # otherwise readers acknowledge over the side channel.

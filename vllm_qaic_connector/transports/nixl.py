@@ -115,20 +115,6 @@ class NixlTransport(KVTransport):
         address = f"{self.agent_name}@{self._staging.data_ptr():#x}"
         return TransportEndpoint(self.kind, address, self._staging.numel(), metadata)
 
-    def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        """Registered so a later version can READ straight into KV blocks; optional today."""
-        seen: set[tuple[int, int]] = set()
-        with self._lock:
-            for t in caches:
-                key = (t.data_ptr(), t.numel() * t.element_size())
-                if key in seen or not t.is_contiguous():
-                    continue
-                seen.add(key)
-                try:
-                    self._register(t)
-                except self._errors as exc:
-                    logger.warning("nixl: KV cache not registered (%s); reads use staging", exc)
-
     def read(
         self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
     ) -> torch.Tensor:

@@ -15,11 +15,13 @@ process that unlinks them once every process sharing it is gone: vLLM's default 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
 import threading
+import warnings
 from multiprocessing import resource_tracker
 
 import torch
@@ -68,11 +70,17 @@ class SharedSegment:
         self.name, self.size, self._owner = name, size, create
         self._closed = False
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
+        # A peer's segment is only read: mapped read-only, a bug or a hostile name cannot
+        # write into it. O_NOFOLLOW: a symlink planted in /dev/shm is refused, not followed.
+        access = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = os.open(path, access | os.O_NOFOLLOW, 0o600)  # 0600: only our user maps it
         except FileNotFoundError:
             raise ConnectionError(f"shm segment {name!r} does not exist (peer gone?)") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise ConnectionError(f"shm segment {name!r} is a symlink: refused") from None
+            raise
         self._lock_fd = -1
         try:
             if create:
@@ -80,7 +88,8 @@ class SharedSegment:
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ConnectionError(f"shm segment {name!r} is smaller than advertised")
-            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         except BaseException:
             os.close(fd)
             if create:
@@ -91,7 +100,11 @@ class SharedSegment:
             resource_tracker.register("/" + name, "shared_memory")
         else:
             os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # torch warns that its tensor of a read-only buffer is not write-protected; here
+            # the mapping is: a stray write faults in this process, never reaching the peer.
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
         # Never munmap here: torch views of the mapping may still be alive, and touching
