@@ -250,11 +250,15 @@ def complete(
     return resp.status_code, payload
 
 
-def count_tokens(url: str, prompt: str) -> int:
-    """Prompt length in tokens, from the server's /tokenize."""
+def token_ids(url: str, prompt: str) -> list[int]:
+    """The prompt's token ids, from the server's /tokenize."""
     resp = requests.post(f"{url}/tokenize", json={"model": "model", "prompt": prompt}, timeout=30)
     resp.raise_for_status()
-    return int(resp.json()["count"])
+    return [int(t) for t in resp.json()["tokens"]]
+
+
+def count_tokens(url: str, prompt: str) -> int:
+    return len(token_ids(url, prompt))
 
 
 def stage(prefill_url: str, prompt: str, decode_kv: str | None = None) -> dict[str, Any]:
@@ -493,6 +497,7 @@ class VllmServer(Server):
         kv: dict[str, Any] | None,
         port: int | None = None,
         extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         port = port or free_port()
         argv = [
@@ -512,6 +517,7 @@ class VllmServer(Server):
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_CPU_OMP_THREADS_BIND": core,
             "PYTHONUNBUFFERED": "1",
+            **(extra_env or {}),
         }
         super().__init__(name, argv, env, workdir, port)
         self.kv = kv
@@ -599,9 +605,10 @@ class LiveRun:
         kv: dict[str, Any] | None,
         port: int | None = None,
         extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
     ) -> VllmServer:
         """Starts (does not wait for) a vLLM server; call ``wait_ready`` on it."""
-        server = VllmServer(name, self.dir, core, kv, port, extra_args)
+        server = VllmServer(name, self.dir, core, kv, port, extra_args, extra_env)
         self.servers.append(server)
         server.start()
         return server
@@ -618,6 +625,14 @@ class LiveRun:
         self.servers.append(server)
         server.start()
         return server
+
+    def key_file(self) -> str:
+        """A fresh side-channel key in a 0600 file of this run."""
+        path = self.dir / "side_channel.key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        return str(path)
 
     def our_qaic_objects(self, engine_id: str | None = None) -> set[str]:
         """``qaic_kv_*`` objects of this run's engines (of one engine, if given)."""

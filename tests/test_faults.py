@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -40,8 +41,11 @@ from tests.live_servers import (
     outcome,
     poll_until,
     stage,
+    token_ids,
     wait_all_ready,
 )
+from vllm_qaic_connector.config import KEY_ENV
+from vllm_qaic_connector.tickets import prompt_hash
 
 T = TypeVar("T")
 LEASE_S = 2.0  # the prefills' staging lease
@@ -125,22 +129,23 @@ class Cluster:
 
 
 def start_cluster(label: str, transport: str) -> Cluster:
+    """With a side-channel key, as production runs: from a key file over shm, from the
+    environment over NIXL (both ways a key can come)."""
     run = LiveRun(label)
     try:
         t0 = time.monotonic()
-        prefill = run.vllm(
-            "prefill",
-            "0",
-            kv_config("kv_producer", run.engine_id("p"), free_port(), transport, lease_s=LEASE_S),
-        )
-        decode = run.vllm(
-            "decode", "1", kv_config("kv_consumer", run.engine_id("d"), free_port(), transport)
-        )
-        decode_fail = run.vllm(
-            "decodefail",
-            "1",
-            kv_config("kv_consumer", run.engine_id("f"), free_port(), transport, "fail"),
-        )
+        key_file, env = run.key_file(), {}
+        extra: dict[str, Any] = {"side_channel_key_file": key_file}
+        if transport == "nixl":
+            extra, env = {}, {KEY_ENV: Path(key_file).read_text()}
+
+        def start(name: str, core: str, role: str, letter: str, policy: str, **kw: Any) -> Any:
+            kv = kv_config(role, run.engine_id(letter), free_port(), transport, policy, **kw)
+            return run.vllm(name, core, kv, extra_env=env)
+
+        prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S, **extra)
+        decode = start("decode", "1", "kv_consumer", "d", "recompute", **extra)
+        decode_fail = start("decodefail", "1", "kv_consumer", "f", "fail", **extra)
         proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
         ready = wait_all_ready(prefill, decode, decode_fail, proxy, retries=1)
         say(f"{transport} servers", ready_after_s=ready, total_s=round(time.monotonic() - t0, 1))
@@ -216,6 +221,39 @@ def check_stale_ticket(c: Cluster) -> None:
     )
     assert ans.verdict in ("correct", "error"), f"stale ticket: {ans.brief()}"
     assert reused, "A's staged region was never reused: the case did not test what it should"
+
+
+def check_forged_ticket(c: Cluster) -> None:
+    """Issue #10 row 1: params a client forged (B's KV under A's prompt hash, which a decode
+    without signed tickets would load: B's answer for A) or edited are refused before the
+    decode reads anything, by policy, and never reach its prefix cache."""
+    c.ensure(c.prefill, c.decode, c.decode_fail)
+    (pa, aa), (pb, _) = c.prompts(2, tokens=200)
+    ids_a = token_ids(c.prefill.url, pa)
+    params_a, params_b = stage(c.prefill.url, pa), stage(c.prefill.url, pb)
+    n = min(len(ids_a), params_b["num_tokens"])
+    forged = {**params_b, "num_tokens": n, "prompt_hash": prompt_hash(ids_a[:n])}
+    edited = {**params_a, "generation": params_a["generation"] + 1}
+    failures0, loaded0 = c.decode.metric(LOAD_FAILURES, 0.0), c.decode.metric(LOADED, 0.0)
+    answers = [ask(c.decode.url, pa, aa, p) for p in (forged, edited)]
+    refused = ask(c.decode_fail.url, pa, aa, forged)
+    own = ask(c.decode.url, pa, aa, stage(c.prefill.url, pa))  # A with its own fresh ticket
+    time.sleep(1.0)
+    failures = c.decode.metric(LOAD_FAILURES, 0.0) - failures0
+    loaded = c.decode.metric(LOADED, 0.0) - loaded0
+    say(
+        f"g forged ticket {c.transport}",
+        forged_edited=[a.verdict for a in answers],
+        fail_policy=f"{refused.verdict}/{refused.status}",
+        own_ticket=own.verdict,
+        load_failures=failures,
+        loaded=loaded,
+    )
+    assert [a.verdict for a in answers] == ["correct", "correct"], [a.brief() for a in answers]
+    assert refused.verdict == "error", f"policy fail: want a clean error, got {refused.brief()}"
+    assert own.verdict == "correct", own.brief()
+    assert failures >= 2, "the forged tickets were not load errors"
+    assert loaded >= 1, "A's own signed ticket did not load"
 
 
 def check_prefill_killed_before_read(c: Cluster) -> None:
@@ -428,6 +466,9 @@ class TestShm:
         assert not dead & live, f"the restart left its dead incarnation's segments: {dead & live}"
         assert loaded >= len(answers) // 2, f"only {loaded:.0f} handoffs loaded KV"
 
+    def test_g_forged_ticket(self, shm_cluster: Cluster) -> None:
+        check_forged_ticket(shm_cluster)
+
     def test_e_prefill_sigkill_before_read(self, shm_cluster: Cluster) -> None:
         check_prefill_killed_before_read(shm_cluster)
 
@@ -512,6 +553,9 @@ class TestNixl:
 
     def test_a_stale_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster)
+
+    def test_g_forged_ticket(self, nixl_cluster: Cluster) -> None:
+        check_forged_ticket(nixl_cluster)
 
     def test_e_prefill_sigkill_before_read(self, nixl_cluster: Cluster) -> None:
         """Over NIXL this is also a transport error mid-transfer: the decode that met the

@@ -4,10 +4,10 @@ prefill vLLM -> emulator handoff through scripts/run_accuracy_test.sh (slow)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import os
 import re
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
