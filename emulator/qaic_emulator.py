@@ -32,6 +32,7 @@ from vllm_qaic_connector.qaic_buffers import apply_prefix
 from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
+from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.transports.shm import ShmTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -106,8 +107,9 @@ class Emulator:
             layers, cfg.slots, heads, cfg.ctx, head_dim, cfg.dtype, cfg.kv_cache_prefix
         )
         self.target = SlotTarget(self.manifest, f"qaic_kv_{cfg.engine_id}", cfg.kv_cache_prefix)
+        incarnation = new_incarnation()
         try:  # nobody reads our endpoint; the transport is here for its `read` of the prefill's
-            self.reader = ShmTransport(f"qaic_kv_{cfg.engine_id}_rx", 4096)
+            self.reader = ShmTransport(staging_name(cfg.engine_id, 0, incarnation), 4096)
             self.server = SideChannelServer(cfg.host, cfg.side_channel_port, self._handle, key)
         except BaseException:
             self.target.close()
@@ -127,7 +129,7 @@ class Emulator:
             model=model,
             compat_hash=compat_hash(model, cfg.dtype, layers, heads, head_dim),
             endpoint=self.reader.endpoint(),
-            incarnation=new_incarnation(),
+            incarnation=incarnation,
         )
         self.peers = PeerDirectory(cfg.engine_id, key, timeout_s=10.0)
         self.peers.ours = self.rank  # refuse prefills whose KV we cannot use

@@ -5,9 +5,10 @@ Two server sets, one per transport, each shared by its class's cases (start-ups 
 each on 2 cores): a prefill (core 0, short lease), a decode with ``kv_load_failure_policy``
 "recompute" and one with "fail" (core 1), and the proxy in front of the prefill and the
 recompute decode. The NIXL set runs with a side-channel key (issue #10: signed tickets); the
-shm set without, as the loopback default does, so clients can aim decodes at dead peers. Cases run in file order; each one restarts what an earlier one killed and
-still needs. Every answer is checked against the copy task's known answer: an HTTP 200 with
-a wrong answer fails any case. Each class ends by stopping its servers and checking that no
+shm set without, as the loopback default does, so clients can aim decodes at dead peers.
+Cases run in file order; each one restarts what an earlier one killed and still needs.
+Every answer is checked against the copy task's known answer: an HTTP 200 with a wrong
+answer fails any case. Each class ends by stopping its servers and checking that no
 process and no /dev/shm object of the run is left (qaic_kv_* segments are never removed by
 the test: a leftover one is the connector's leak).
 

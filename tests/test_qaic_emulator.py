@@ -23,7 +23,8 @@ from tests.test_accuracy_harness import harness, last_line
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
 from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, prompt_hash
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
+from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.transports.shm import SHM_DIR, ShmTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -55,7 +56,8 @@ class FakePrefill:
     """A prefill rank: staged KV in its shm segment, a side channel that records releases."""
 
     def __init__(self, tag: str) -> None:
-        self.transport = ShmTransport(f"qaic_kv_{tag}pf_r0", 4 << 20)
+        self.engine, self.incarnation = f"{tag}pf", new_incarnation()
+        self.transport = ShmTransport(staging_name(self.engine, 0, self.incarnation), 4 << 20)
         self.released: list[str] = []
         self.headers = RegionHeaders(self.transport.staging)
         self.generation = 1 << 32
@@ -67,9 +69,9 @@ class FakePrefill:
             return Ok()
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
-            "pf", 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
+            self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
             compat_hash("tiny-copy", "float32", L, H, D), self.transport.endpoint(),
-            "inc0",
+            self.incarnation,
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])
 
@@ -89,7 +91,7 @@ class FakePrefill:
                 copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
         params = RemotePrefill(
             do_remote_prefill=True,
-            remote_engine_id="pf",
+            remote_engine_id=self.engine,
             remote_host="127.0.0.1",
             remote_port=self.server.port,
             remote_request_id=rid,
@@ -97,7 +99,7 @@ class FakePrefill:
             staging_offset=0,
             staged_layout=layout,
             staged_block_size=block,
-            incarnation="inc0",
+            incarnation=self.incarnation,
             generation=self.generation,
             prompt_hash=prompt_hash(ids),
             lease_s=60.0,

@@ -13,6 +13,7 @@ from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import KEY_ENV
 from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
+from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
@@ -37,7 +38,9 @@ def rank_meta(engine_id: str = "eng", tp_rank: int = 0, tp_size: int = 1) -> Ran
         num_layers=2,
         model="tiny-copy",
         compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
-        endpoint=TransportEndpoint("shm", "x", 1 << 20),
+        endpoint=TransportEndpoint(
+            "shm", staging_name(engine_id, tp_rank, "feedfacefeedface"), 1 << 20
+        ),
         incarnation="feedfacefeedface",
     )
 
@@ -384,9 +387,7 @@ def test_staging_freed_only_after_every_read_pair(heads, src_tp, dst_tp):
         sched.add_request(make_request("q1", 40, {"do_remote_decode": True}))
         step(sched)
         pairs = [
-            (d, s.src_rank)
-            for d in range(dst_tp)
-            for s in head_sources(heads, src_tp, dst_tp, d)
+            (d, s.src_rank) for d in range(dst_tp) for s in head_sources(heads, src_tp, dst_tp, d)
         ]
         assert len(pairs) >= 2
         for i, (d, src) in enumerate(pairs):

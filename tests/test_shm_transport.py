@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import warnings
 
 import pytest
 import torch
 
 from vllm_qaic_connector.transports import create_transport
 from vllm_qaic_connector.transports.shm import SHM_DIR
+from vllm_qaic_connector.wire import TransportEndpoint
 
 SIZE = 1 << 20
 
@@ -52,8 +54,6 @@ def test_peer_reads_owner_bytes_without_copy_and_nothing_leaks():
 def test_segment_of_a_gone_peer_is_a_connection_error():
     reader = create_transport("shm", f"qaic_kv_test_r_{os.getpid()}", 4096, 5.0)
     try:
-        from vllm_qaic_connector.wire import TransportEndpoint
-
         with pytest.raises(ConnectionError, match="does not exist"):
             reader.read(TransportEndpoint("shm", "qaic_kv_no_such_segment", 4096), 0, 16)
     finally:
@@ -106,3 +106,49 @@ def test_segments_of_dead_incarnations_are_reclaimed_never_live_ones():
         for suffix in ("dead", "live", "new"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, stem + suffix))
+
+
+def _map_peer(endpoint: TransportEndpoint, out) -> None:
+    """Reads a peer in a fresh process (torch warns once per process) with warnings as
+    errors; returns the first byte and the permissions of the mappings of its segments."""
+    warnings.simplefilter("error")
+    try:
+        reader = create_transport("shm", endpoint.address + "_rd", 4096, 5.0)
+        first = int(reader.read(endpoint, 0, 16)[0])
+        with open("/proc/self/maps") as f:
+            maps = [line.split() for line in f if f"{SHM_DIR}/{endpoint.address}" in line]
+        out.put((first, {m[5].rsplit("/", 1)[-1]: m[1] for m in maps}))
+        reader.close()
+    except Exception as exc:  # reported, not lost in the child's stderr
+        out.put(repr(exc))
+
+
+def test_peer_segment_is_mapped_read_only_and_without_a_warning():
+    name = f"qaic_kv_test_ro{os.getpid()}"
+    owner = create_transport("shm", name, 4096, 5.0)
+    owner.staging[0] = 7
+    out = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_map_peer, args=(owner.endpoint(), out))
+    proc.start()
+    try:
+        got = out.get(timeout=60)
+        assert got == (7, {name: "r--s", name + "_rd": "rw-s"}), got
+    finally:
+        proc.join(30)
+        owner.close()
+    assert proc.exitcode == 0
+
+
+def test_symlink_named_like_a_peer_segment_is_refused():
+    """O_NOFOLLOW: a link planted in /dev/shm does not map what it points to."""
+    target = create_transport("shm", f"qaic_kv_test_tgt{os.getpid()}", 4096, 5.0)
+    link = f"qaic_kv_test_link{os.getpid()}"
+    os.symlink(os.path.join(SHM_DIR, target.endpoint().address), os.path.join(SHM_DIR, link))
+    reader = create_transport("shm", f"qaic_kv_test_lr{os.getpid()}", 4096, 5.0)
+    try:
+        with pytest.raises(ConnectionError, match="is a symlink"):
+            reader.read(TransportEndpoint("shm", link, 4096), 0, 16)
+    finally:
+        os.unlink(os.path.join(SHM_DIR, link))
+        reader.close()
+        target.close()

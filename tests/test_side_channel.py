@@ -10,6 +10,7 @@ import zmq
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.peers import PeerDirectory, check_ranks
 from vllm_qaic_connector.side_channel import MAX_MESSAGE_BYTES, SideChannelServer
+from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -44,8 +45,13 @@ def rank(**over) -> RankMetadata:
         model="tiny-copy",
         compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
         endpoint=TransportEndpoint("shm", "seg", 1 << 20),
+        incarnation="feedfacefeedface",
     )
-    return msgspec.structs.replace(base, **over)
+    r = msgspec.structs.replace(base, **over)
+    if "endpoint" in over:
+        return r
+    own = TransportEndpoint("shm", staging_name(r.engine_id, r.tp_rank, r.incarnation), 1 << 20)
+    return msgspec.structs.replace(r, endpoint=own)
 
 
 def ranks(tp: int, **over) -> list[RankMetadata]:

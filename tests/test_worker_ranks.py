@@ -6,22 +6,31 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import stat
+import time
+from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 
-from tests.rank_worker import HEAD, LAYERS, decode_rank, prefill_rank
+from tests.rank_worker import HEAD, LAYERS, decode_rank, make_worker, prefill_rank
 from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.peers import PeerDirectory, check_ranks
 from vllm_qaic_connector.scheduler_side import LoadSpec, SaveSpec
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.tp_mapping import heads_of_rank
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.transports.shm import SHM_DIR
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
     Ok,
+    RankMetadata,
     ReleaseRequest,
     RemotePrefill,
+    TransportEndpoint,
 )
 
 CTX = mp.get_context("spawn")
@@ -97,6 +106,7 @@ def run_handoff(
         generation=generation + stale,
         prompt_hash="0" * 32,  # the decode's scheduler checks it, not the worker
         lease_s=60.0,
+        expires_at=time.time() + 60.0,
     )
     dprocs, dec = start_ranks(
         decode_rank,
@@ -214,3 +224,87 @@ def test_ticket_of_another_generation_is_a_load_error(transport):
     assert out["done"] == {"d1"} and out["errors"] == {3, 4, 5}
     assert out["stats"].get("load_failures") == 1
     assert "r1" in released  # given up over the side channel: the prefill frees it
+
+
+# --- segment names: unguessable, private, and only ever the peer's own -----------------------
+
+ENGINE = f"nm{os.getpid()}"
+
+
+@pytest.fixture
+def twins() -> Iterator[list]:
+    """Two real shm workers of the same engine and rank, made under umask 0."""
+    made = []
+    old = os.umask(0)  # so a 0600 segment is the connector's doing, not the umask's
+    try:
+        for seed in range(2):
+            args = {"engine": ENGINE, "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
+            extra = {"transport": "shm", "staging_bytes": 1 << 20}
+            made.append(make_worker({**args, "layout": "cuda_nhd", "extra": extra}, seed))
+    finally:
+        os.umask(old)
+    yield made
+    for w in made:
+        w.shutdown()
+
+
+def test_segments_are_private_and_named_by_a_random_incarnation(twins):
+    names = [w.transport.endpoint().address for w in twins]
+    assert names[0] != names[1]  # same engine and rank: only the random part tells them apart
+    for w, name in zip(twins, names, strict=True):
+        assert name == staging_name(ENGINE, 0, w.incarnation)
+        assert len(w.incarnation) == 16 and int(w.incarnation, 16) >= 0
+        mode = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False).st_mode
+        assert stat.S_ISREG(mode) and stat.S_IMODE(mode) == 0o600, oct(mode)
+        assert check_ranks([w.rank_meta]) is None
+
+
+def _with_address(r: RankMetadata, address: str, kind: str = "shm") -> RankMetadata:
+    return msgspec.structs.replace(r, endpoint=TransportEndpoint(kind, address, 1 << 20))
+
+
+@pytest.mark.parametrize("target", ["twin", "other_engine", "path"])
+def test_handshake_naming_a_segment_not_its_own_is_refused(twins, target):
+    """A peer cannot make us map another segment: a live sibling's, another engine's, or a
+    path, over a real side channel."""
+    me, twin = twins[0].rank_meta, twins[1].rank_meta
+    address = {
+        "twin": twin.endpoint.address,
+        "other_engine": staging_name("victim", 0, me.incarnation),
+        "path": "../etc",
+    }[target]
+    lie = _with_address(me, address)
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda msg: HandshakeReply(PROTOCOL_VERSION, [lie]), None
+    )
+    directory = PeerDirectory("dec", None, 10.0)
+    try:
+        with pytest.raises(ConnectionError, match="bad handshake reply") as refused:
+            directory.get("127.0.0.1", server.port)
+        assert directory.answered("127.0.0.1", server.port)  # it replied; we refused it
+    finally:
+        server.close()
+    want = f"rank 0 endpoint.address {address!r} is not the segment its handshake implies"
+    assert want in str(refused.value) and me.endpoint.address in str(refused.value)
+
+
+def test_check_ranks_names_unsafe_engine_ids_incarnations_and_nixl_agents(twins):
+    me = twins[0].rank_meta
+    own = me.endpoint.address
+    bad = {
+        "engine_id 'a/b' is not a safe name": msgspec.structs.replace(me, engine_id="a/b"),
+        "engine_id 'a\\x00' is not a safe name": msgspec.structs.replace(me, engine_id="a\0"),
+        "is not a safe name": msgspec.structs.replace(me, engine_id="e" * 129),
+        "incarnation 'inc0' is not 16": msgspec.structs.replace(me, incarnation="inc0"),
+        "incarnation 'FEEDFACEFEEDFACE' is not 16": msgspec.structs.replace(
+            me, incarnation="FEEDFACEFEEDFACE"
+        ),
+        "endpoint.address 'nope' is not agent@0xbase": _with_address(me, "nope", "nixl"),
+        f"is not the agent its handshake implies ({own!r})": _with_address(
+            me, f"{staging_name('victim', 0, me.incarnation)}@0x1000", "nixl"
+        ),
+    }
+    for why, r in bad.items():
+        problem = check_ranks([r])
+        assert problem is not None and why in problem, (why, problem)
+    assert check_ranks([_with_address(me, f"{own}@0x1000", "nixl")]) is None
