@@ -18,7 +18,7 @@ unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_accuracy_harness.py
 
 test: setup lint
-	$(PY) -m pytest -v -rA tests
+	$(PY) -m pytest -v -rA --durations=15 tests
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -61,6 +61,7 @@ def run_handoff(
     d_head_size=32,
     transport="shm",
     stale=0,
+    holds_until=0.0,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -122,7 +123,7 @@ def run_handoff(
     )
     d_blocks = list(range(3, 3 + blocks_for_tokens(num_tokens, d_block)))
     for q in dec:
-        q[0].put(LoadSpec("d1", d_blocks, first_token, remote))
+        q[0].put(LoadSpec("d1", d_blocks, first_token, remote, holds_until=holds_until))
     outs = [q[1].get(timeout=180) for q in dec]
     for q in pre:
         q[0].put("exit")
@@ -224,6 +225,16 @@ def test_ticket_of_another_generation_is_a_load_error(transport):
     assert out["done"] == {"d1"} and out["errors"] == {3, 4, 5}
     assert out["stats"].get("load_failures") == 1
     assert "r1" in released  # given up over the side channel: the prefill frees it
+
+
+def test_a_read_after_the_lease_ran_out_is_a_load_error():
+    """The region still holds the ticket's generation (an idle prefill has not yet freed
+    it), but the lease the decode knows of has ended: the read never starts."""
+    _, outs, _ = run_handoff(
+        4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, holds_until=time.time() - 1.0
+    )
+    assert outs[0]["done"] == {"d1"} and outs[0]["errors"] == {3, 4, 5}
+    assert outs[0]["stats"].get("load_failures") == 1
 
 
 # --- segment names: unguessable, private, and only ever the peer's own -----------------------
