@@ -262,6 +262,8 @@ class Emulator:
         forged = ticket_problem(remote, self.key)
         if forged:
             raise RequestError(403, forged)
+        if remote.expires_at < time.time():
+            raise RequestError(410, "the ticket expired: its staged KV may be gone")
         slot: int | None = None
         released = False
         try:
