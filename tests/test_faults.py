@@ -287,6 +287,41 @@ def check_prefill_killed_before_read(c: Cluster) -> None:
     assert [a.verdict for a in after] == ["correct", "correct"], [a.brief() for a in after]
 
 
+def check_prefill_restart(c: Cluster) -> None:
+    """A prefill SIGKILLed and restarted with the same engine id and side-channel port
+    starts (it used to die on `[Errno 17] File exists`), and the decode reconnects (over
+    NIXL: it drops the dead agent's metadata and loads the new one's)."""
+    c.ensure(c.decode, c.proxy)
+    if c.prefill.alive():
+        c.prefill.kill()
+        assert c.prefill.wait_gone(15)
+    dead = c.run.our_qaic_objects(c.prefill.engine_id)
+    c.prefill.start()
+    startup = c.prefill.wait_ready()
+    live = c.run.our_qaic_objects(c.prefill.engine_id)
+    loaded0 = c.decode.metric(LOADED, 0.0)
+    answers = ask_all(c.proxy.url, c.prompts(8), 4)
+    time.sleep(1.0)
+    loaded = c.decode.metric(LOADED, 0.0) - loaded0
+    verdicts = [a.verdict for a in answers]
+    say(
+        f"f prefill restart same engine_id {c.transport}",
+        startup_s=round(startup, 1),
+        dead_segments=len(dead),
+        dead_left_after_restart=len(dead & live),
+        correct=verdicts.count("correct"),
+        of=len(answers),
+        kv_loads=loaded,
+    )
+    no_wrong(answers, "after the prefill restart")
+    assert verdicts == ["correct"] * len(answers), [a.brief() for a in answers]
+    assert not dead & live, f"the restart left its dead incarnation's segments: {dead & live}"
+    assert loaded >= len(answers) // 2, (
+        f"only {loaded:.0f} of {len(answers)} handoffs loaded KV: the decode did not "
+        "reconnect to the restarted prefill"
+    )
+
+
 # --- shared memory -----------------------------------------------------------------------------
 
 
@@ -480,38 +515,7 @@ class TestShm:
         check_prefill_killed_before_read(shm_cluster)
 
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
-        """A prefill SIGKILLed and restarted with the same engine id and side-channel port
-        starts (it used to die on `[Errno 17] File exists`), and the decode reconnects."""
-        c = shm_cluster
-        c.ensure(c.decode, c.proxy)
-        if c.prefill.alive():
-            c.prefill.kill()
-            assert c.prefill.wait_gone(15)
-        dead = c.run.our_qaic_objects(c.prefill.engine_id)
-        c.prefill.start()
-        startup = c.prefill.wait_ready()
-        live = c.run.our_qaic_objects(c.prefill.engine_id)
-        loaded0 = c.decode.metric(LOADED, 0.0)
-        answers = ask_all(c.proxy.url, c.prompts(8), 4)
-        time.sleep(1.0)
-        loaded = c.decode.metric(LOADED, 0.0) - loaded0
-        verdicts = [a.verdict for a in answers]
-        say(
-            "f prefill restart same engine_id shm",
-            startup_s=round(startup, 1),
-            dead_segments=len(dead),
-            dead_left_after_restart=len(dead & live),
-            correct=verdicts.count("correct"),
-            of=len(answers),
-            kv_loads=loaded,
-        )
-        no_wrong(answers, "after the prefill restart")
-        assert verdicts == ["correct"] * len(answers), [a.brief() for a in answers]
-        assert not dead & live, f"the restart left its dead incarnation's segments: {dead & live}"
-        assert loaded >= len(answers) // 2, (
-            f"only {loaded:.0f} of {len(answers)} handoffs loaded KV: the decode did not "
-            "reconnect to the restarted prefill"
-        )
+        check_prefill_restart(shm_cluster)
 
     def test_f_sigterm_decode_with_load_on_dead_peer(self, shm_cluster: Cluster) -> None:
         """SIGTERM to a decode whose load waits on a peer that never answers: it exits
@@ -568,3 +572,6 @@ class TestNixl:
         """Over NIXL this is also a transport error mid-transfer: the decode that met the
         prefill reads from an agent that is gone."""
         check_prefill_killed_before_read(nixl_cluster)
+
+    def test_f_prefill_restart_same_engine_id(self, nixl_cluster: Cluster) -> None:
+        check_prefill_restart(nixl_cluster)
