@@ -287,25 +287,27 @@ def check_prefill_killed_before_read(c: Cluster) -> None:
     assert [a.verdict for a in after] == ["correct", "correct"], [a.brief() for a in after]
 
 
-def check_prefill_restart(c: Cluster) -> None:
-    """A prefill SIGKILLed and restarted with the same engine id and side-channel port
-    starts (it used to die on `[Errno 17] File exists`), and the decode reconnects (over
-    NIXL: it drops the dead agent's metadata and loads the new one's)."""
-    c.ensure(c.decode, c.proxy)
-    if c.prefill.alive():
-        c.prefill.kill()
-        assert c.prefill.wait_gone(15)
-    dead = c.run.our_qaic_objects(c.prefill.engine_id)
-    c.prefill.start()
-    startup = c.prefill.wait_ready()
-    live = c.run.our_qaic_objects(c.prefill.engine_id)
+def check_restart(c: Cluster, which: str) -> None:
+    """The ``which`` engine ("prefill" or "decode"), SIGKILLed and restarted with the same
+    engine id and side-channel port, starts (it used to die on `[Errno 17] File exists`),
+    reclaims its dead segments, and handoffs work again: the other side meets the new
+    incarnation (over NIXL: drops the dead agent's metadata and loads the new one's)."""
+    server: VllmServer = getattr(c, which)
+    c.ensure(*(s for s in (c.prefill, c.decode, c.proxy) if s is not server))
+    if server.alive():
+        server.kill()
+        assert server.wait_gone(15)
+    dead = c.run.our_qaic_objects(server.engine_id)
+    server.start()
+    startup = server.wait_ready()
+    live = c.run.our_qaic_objects(server.engine_id)
     loaded0 = c.decode.metric(LOADED, 0.0)
     answers = ask_all(c.proxy.url, c.prompts(8), 4)
     time.sleep(1.0)
     loaded = c.decode.metric(LOADED, 0.0) - loaded0
     verdicts = [a.verdict for a in answers]
     say(
-        f"f prefill restart same engine_id {c.transport}",
+        f"f {which} restart same engine_id {c.transport}",
         startup_s=round(startup, 1),
         dead_segments=len(dead),
         dead_left_after_restart=len(dead & live),
@@ -313,12 +315,12 @@ def check_prefill_restart(c: Cluster) -> None:
         of=len(answers),
         kv_loads=loaded,
     )
-    no_wrong(answers, "after the prefill restart")
+    no_wrong(answers, f"after the {which} restart")
     assert verdicts == ["correct"] * len(answers), [a.brief() for a in answers]
     assert not dead & live, f"the restart left its dead incarnation's segments: {dead & live}"
     assert loaded >= len(answers) // 2, (
-        f"only {loaded:.0f} of {len(answers)} handoffs loaded KV: the decode did not "
-        "reconnect to the restarted prefill"
+        f"only {loaded:.0f} of {len(answers)} handoffs loaded KV: the {which} restart broke "
+        "the handoff"
     )
 
 
@@ -482,40 +484,13 @@ class TestShm:
         )
 
     def test_f_decode_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
-        """A decode SIGKILLed and restarted with the same engine id and side-channel port
-        starts, reclaims its dead segment, and handoffs through it work again."""
-        c = shm_cluster
-        c.ensure(c.prefill, c.proxy)
-        if c.decode.alive():
-            c.decode.kill()
-            assert c.decode.wait_gone(15)
-        dead = c.run.our_qaic_objects(c.decode.engine_id)
-        c.decode.start()
-        startup = c.decode.wait_ready()
-        live = c.run.our_qaic_objects(c.decode.engine_id)
-        answers = ask_all(c.proxy.url, c.prompts(8), 4)
-        time.sleep(1.0)
-        loaded = c.decode.metric(LOADED, 0.0)
-        verdicts = [a.verdict for a in answers]
-        say(
-            "f decode restart same engine_id shm",
-            startup_s=round(startup, 1),
-            dead_segments=len(dead),
-            dead_left_after_restart=len(dead & live),
-            correct=verdicts.count("correct"),
-            of=len(answers),
-            kv_loads=loaded,
-        )
-        no_wrong(answers, "after the decode restart")
-        assert verdicts == ["correct"] * len(answers), [a.brief() for a in answers]
-        assert not dead & live, f"the restart left its dead incarnation's segments: {dead & live}"
-        assert loaded >= len(answers) // 2, f"only {loaded:.0f} handoffs loaded KV"
+        check_restart(shm_cluster, "decode")
 
     def test_e_prefill_sigkill_before_read(self, shm_cluster: Cluster) -> None:
         check_prefill_killed_before_read(shm_cluster)
 
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
-        check_prefill_restart(shm_cluster)
+        check_restart(shm_cluster, "prefill")
 
     def test_f_sigterm_decode_with_load_on_dead_peer(self, shm_cluster: Cluster) -> None:
         """SIGTERM to a decode whose load waits on a peer that never answers: it exits
@@ -574,4 +549,4 @@ class TestNixl:
         check_prefill_killed_before_read(nixl_cluster)
 
     def test_f_prefill_restart_same_engine_id(self, nixl_cluster: Cluster) -> None:
-        check_prefill_restart(nixl_cluster)
+        check_restart(nixl_cluster, "prefill")
