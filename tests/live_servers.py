@@ -218,6 +218,22 @@ def is_correct(body: dict[str, Any], answer: str) -> bool:
     return isinstance(text, str) and copy_task.is_correct(text, answer)
 
 
+def completion_body(
+    prompt: str, max_tokens: int = ANSWER_TOKENS, params: Any = None
+) -> dict[str, Any]:
+    """A greedy /v1/completions body, with ``kv_transfer_params`` when given."""
+    body: dict[str, Any] = {
+        "model": "model",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "seed": 0,
+    }
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return body
+
+
 def complete(
     url: str,
     prompt: str,
@@ -228,15 +244,7 @@ def complete(
     """POST /v1/completions, greedy. Returns (HTTP status, JSON body); status 0 with
     ``{"connection_error": ...}`` when no HTTP answer came (refused, reset, timeout), and
     ``{"not_json": text}`` for a body that is not a JSON object."""
-    body: dict[str, Any] = {
-        "model": "model",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "seed": 0,
-    }
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
+    body = completion_body(prompt, max_tokens, kv_transfer_params)
     try:
         resp = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
     except requests.RequestException as exc:

@@ -41,9 +41,9 @@ import aiohttp
 import requests
 
 from tests.live_servers import (
-    ANSWER_TOKENS,
     LiveRun,
     VllmServer,
+    completion_body,
     copy_prompts,
     free_port,
     histogram,
@@ -104,19 +104,6 @@ async def post(
     return status, payload if isinstance(payload, dict) else {"not_json": text[:300]}
 
 
-def body_for(prompt: str, max_tokens: int = ANSWER_TOKENS, params: Any = None) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "model",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "seed": 0,
-    }
-    if params is not None:
-        body["kv_transfer_params"] = params
-    return body
-
-
 class Soak:
     def __init__(
         self, args: argparse.Namespace, prefill: VllmServer, decode: VllmServer, proxy_url: str
@@ -132,7 +119,7 @@ class Soak:
         t0 = time.monotonic()
         if kind == "abort":
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(post(session, self.proxy_url, body_for(p)), 0.05)
+                await asyncio.wait_for(post(session, self.proxy_url, completion_body(p)), 0.05)
                 self.tally.add(kind, "finished_before_abort")
                 return
             self.tally.add(kind, "aborted")
@@ -141,7 +128,7 @@ class Soak:
             status, staged = await post(
                 session,
                 self.prefill.url,
-                body_for(p, 1, {"do_remote_decode": True}),
+                completion_body(p, 1, {"do_remote_decode": True}),
             )
             params = staged.get("kv_transfer_params")
             if status != 200 or not isinstance(params, dict) or params.get("error"):
@@ -151,10 +138,12 @@ class Soak:
             variants = hostile_variants(params, self.closed_port)
             name = sorted(variants)[i % len(variants)]
             kind_label = f"hostile[{name}]"
-            status, body = await post(session, self.decode.url, body_for(p, params=variants[name]))
+            status, body = await post(
+                session, self.decode.url, completion_body(p, params=variants[name])
+            )
         else:
             kind_label = "good"
-            status, body = await post(session, self.proxy_url, body_for(p))
+            status, body = await post(session, self.proxy_url, completion_body(p))
         seconds = time.monotonic() - t0
         verdict = outcome(status, body, a)
         self.tally.add(kind, verdict)
@@ -213,7 +202,7 @@ def plain(url: str, prompt: str) -> None:
     with contextlib.suppress(requests.RequestException):
         requests.post(
             url + "/v1/completions",
-            json=body_for(prompt, 1),
+            json=completion_body(prompt, 1),
             timeout=30,
         )
 

@@ -17,7 +17,8 @@ import msgspec
 import pytest
 import zmq
 
-from tests.test_scheduler_side import BS, params_of, rank_meta
+from tests.ranks import rank_meta
+from tests.test_scheduler_side import BS, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import KEY_ENV, load_key, parse_config

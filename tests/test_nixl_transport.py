@@ -226,7 +226,8 @@ def test_across_network_namespaces_over_a_veth_link():
     ns_a, ns_b, dev_a, dev_b = f"qaicA{PID}", f"qaicB{PID}", f"qva{PID}", f"qvb{PID}"
     added = run("ip", "netns", "add", ns_a)
     if added.returncode != 0:
-        if "ermission" in added.stderr or "not permitted" in added.stderr:
+        denied = "ermission" in added.stderr or "not permitted" in added.stderr
+        if denied and not os.environ.get("CI"):  # CI must run the cross-host path
             reason = f"cannot create network namespaces: {added.stderr.strip()}"
             print(reason)
             pytest.skip(reason)

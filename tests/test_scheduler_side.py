@@ -8,41 +8,17 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from tests.ranks import rank_meta
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import KEY_ENV
 from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
-from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.wire import (
-    RankMetadata,
     ReleaseRequest,
-    TransportEndpoint,
-    compat_hash,
 )
 
 BS = 16
-
-
-def rank_meta(engine_id: str = "eng", tp_rank: int = 0, tp_size: int = 1) -> RankMetadata:
-    return RankMetadata(
-        engine_id=engine_id,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
-        layout_kind="vllm_cpu",
-        block_size=BS,
-        num_blocks=64,
-        num_kv_heads=2,
-        head_size=32,
-        dtype="float32",
-        num_layers=2,
-        model="tiny-copy",
-        compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
-        endpoint=TransportEndpoint(
-            "shm", staging_name(engine_id, tp_rank, "feedfacefeedface"), 1 << 20
-        ),
-        incarnation="feedfacefeedface",
-    )
 
 
 @pytest.fixture
@@ -260,7 +236,7 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
     """The proxy names the decode; the prefill handshakes with it (without blocking the
     engine) and stages in the decode's layout and block size."""
     dec_side = decode.connector.scheduler
-    dec_meta = msgspec_replace(rank_meta("dec"), block_size=64, layout_kind="cuda_hnd")
+    dec_meta = msgspec_replace(rank_meta(engine_id="dec"), block_size=64, layout_kind="cuda_hnd")
     dec_side.set_rank_metadata([dec_meta])
     sched = make_scheduler("kv_producer", BS)
     sched.connector.scheduler.set_rank_metadata([rank_meta()])

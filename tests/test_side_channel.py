@@ -3,14 +3,13 @@
 import socket
 import time
 
-import msgspec
 import pytest
 import zmq
 
+from tests.ranks import rank_meta
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.peers import PeerDirectory, check_ranks
 from vllm_qaic_connector.side_channel import MAX_MESSAGE_BYTES, SideChannelServer
-from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -21,7 +20,6 @@ from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
     TransportEndpoint,
-    compat_hash,
     decode_message,
     encode_message,
 )
@@ -30,28 +28,7 @@ KEY = b"secret"
 
 
 def rank(**over) -> RankMetadata:
-    """A valid rank; the one place to change when RankMetadata changes."""
-    base = RankMetadata(
-        engine_id="pf",
-        tp_rank=0,
-        tp_size=1,
-        layout_kind="vllm_cpu",
-        block_size=16,
-        num_blocks=64,
-        num_kv_heads=2,
-        head_size=32,
-        dtype="float32",
-        num_layers=2,
-        model="tiny-copy",
-        compat_hash=compat_hash("tiny-copy", "float32", 2, 2, 32),
-        endpoint=TransportEndpoint("shm", "seg", 1 << 20),
-        incarnation="feedfacefeedface",
-    )
-    r = msgspec.structs.replace(base, **over)
-    if "endpoint" in over:
-        return r
-    own = TransportEndpoint("shm", staging_name(r.engine_id, r.tp_rank, r.incarnation), 1 << 20)
-    return msgspec.structs.replace(r, endpoint=own)
+    return rank_meta(**{"engine_id": "pf", **over})
 
 
 def ranks(tp: int, **over) -> list[RankMetadata]:

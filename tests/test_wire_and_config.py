@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.ranks import rank_meta
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.side_channel import SideChannelServer, call
 from vllm_qaic_connector.wire import (
@@ -11,10 +12,7 @@ from vllm_qaic_connector.wire import (
     HandshakeReply,
     HandshakeRequest,
     Ok,
-    RankMetadata,
     ReleaseRequest,
-    TransportEndpoint,
-    compat_hash,
     decode_message,
     encode_message,
     incompatibility,
@@ -22,31 +20,8 @@ from vllm_qaic_connector.wire import (
 )
 
 
-def meta(**over) -> RankMetadata:
-    base = dict(
-        engine_id="p",
-        tp_rank=0,
-        tp_size=1,
-        layout_kind="vllm_cpu",
-        block_size=128,
-        num_blocks=10,
-        num_kv_heads=2,
-        head_size=32,
-        dtype="float32",
-        num_layers=2,
-        model="tiny-copy",
-        compat_hash="",
-        endpoint=TransportEndpoint("shm", "seg", 4096),
-    )
-    base.update(over)
-    base["compat_hash"] = compat_hash(
-        base["model"], base["dtype"], base["num_layers"], base["num_kv_heads"], base["head_size"]
-    )
-    return RankMetadata(**base)
-
-
 def test_handshake_round_trip_with_and_without_key():
-    reply = HandshakeReply(PROTOCOL_VERSION, [meta(), meta(tp_rank=1)])
+    reply = HandshakeReply(PROTOCOL_VERSION, [rank_meta(), rank_meta(tp_rank=1)])
     for key in (None, b"secret"):
         assert decode_message(encode_message(reply, key), key) == reply
 
@@ -73,13 +48,13 @@ def test_garbage_is_a_clear_error():
     ],
 )
 def test_incompatible_peer_names_the_field(field, value):
-    problem = incompatibility(meta(), meta(**{field: value}))
+    problem = incompatibility(rank_meta(), rank_meta(**{field: value}))
     assert problem is not None and f"differs in {field}" in problem
 
 
 def test_negotiated_fields_stay_out_of_the_hash():
-    other = meta(block_size=16, layout_kind="cuda_hnd", tp_size=2, tp_rank=1)
-    assert incompatibility(meta(), other) is None
+    other = rank_meta(block_size=64, layout_kind="cuda_hnd", tp_size=2, tp_rank=1)
+    assert incompatibility(rank_meta(), other) is None
 
 
 def good_params() -> dict:

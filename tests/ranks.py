@@ -1,0 +1,47 @@
+"""One valid handshake rank of the shipped model, for every test that needs one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.wire import RankMetadata, TransportEndpoint, compat_hash
+
+
+def rank_meta(**over: Any) -> RankMetadata:
+    """``over`` replaces fields; the compatibility hash follows the model fields, and the
+    endpoint is the segment the rank's engine, rank and incarnation imply, unless given."""
+    fields: dict[str, Any] = dict(
+        engine_id="eng",
+        tp_rank=0,
+        tp_size=1,
+        layout_kind="vllm_cpu",
+        block_size=16,
+        num_blocks=64,
+        num_kv_heads=2,
+        head_size=32,
+        dtype="float32",
+        num_layers=2,
+        model="tiny-copy",
+        incarnation="feedfacefeedface",
+    )
+    fields.update(over)
+    fields.setdefault(
+        "compat_hash",
+        compat_hash(
+            fields["model"],
+            fields["dtype"],
+            fields["num_layers"],
+            fields["num_kv_heads"],
+            fields["head_size"],
+        ),
+    )
+    fields.setdefault(
+        "endpoint",
+        TransportEndpoint(
+            "shm",
+            staging_name(fields["engine_id"], fields["tp_rank"], fields["incarnation"]),
+            1 << 20,
+        ),
+    )
+    return RankMetadata(**fields)
