@@ -259,11 +259,9 @@ class Emulator:
             remote = parse_remote_prefill(params)
         except ValueError as exc:
             raise RequestError(400, str(exc)) from None
-        forged = ticket_problem(remote, self.key)
-        if forged:
-            raise RequestError(403, forged)
-        if remote.expires_at < time.time():
-            raise RequestError(410, "the ticket expired: its staged KV may be gone")
+        unusable = ticket_problem(remote, self.key)
+        if unusable:
+            raise RequestError(403, unusable)
         slot: int | None = None
         released = False
         try:

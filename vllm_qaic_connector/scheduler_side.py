@@ -222,14 +222,9 @@ class SchedulerSide:
         try:
             parsed = parse_remote_prefill(params)
             num_tokens = parsed.num_tokens
-            forged = ticket_problem(parsed, self._key)
-            if forged:  # before anything else: an unsigned peer address is not contacted
-                raise ValueError(forged)
-            if parsed.expires_at < time.time():
-                raise ValueError(
-                    f"the ticket expired {time.time() - parsed.expires_at:.1f}s ago "
-                    f"(lease_s={parsed.lease_s})"
-                )
+            unusable = ticket_problem(parsed, self._key)
+            if unusable:  # before anything else: an unsigned peer address is not contacted
+                raise ValueError(unusable)
             if num_tokens > len(prompt):
                 raise ValueError(
                     f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "

@@ -216,13 +216,15 @@ def ticket_mac(params: RemotePrefill, key: bytes) -> str:
 
 
 def ticket_problem(params: RemotePrefill, key: bytes | None) -> str | None:
-    """Why a decode must not use these params (a missing or wrong MAC), or None."""
-    if key is None:
-        return None
-    if not params.ticket_mac:
+    """Why a decode must not use these params (a missing or wrong MAC, or an expired
+    lease), or None."""
+    if key is not None and not params.ticket_mac:
         return "ticket_mac is missing: this decode only accepts signed kv_transfer_params"
-    if not hmac.compare_digest(params.ticket_mac, ticket_mac(params, key)):
+    if key is not None and not hmac.compare_digest(params.ticket_mac, ticket_mac(params, key)):
         return "ticket_mac does not match: the kv_transfer_params were forged or edited"
+    late = time.time() - params.expires_at
+    if late > 0:
+        return f"the ticket expired {late:.1f}s ago (lease_s={params.lease_s})"
     return None
 
 
