@@ -85,12 +85,17 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-free_port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# All ports in one pick, below the ephemeral range: vLLM's own zmq binds (to port 0) cannot take
+# one between the pick and its use.
+mapfile -t PORTS < <(cd "$ROOT" && "$PY" -m tests.ports $((NUM_PREFILL_INSTANCES + 2 * NUM_DECODE_INSTANCES + 2)))
+next_port() { NEXT_PORT=${PORTS[0]}; PORTS=("${PORTS[@]:1}"); }
 P_PORTS=(); D_PORTS=(); D_KV_PORTS=()
-for _ in $(seq "$NUM_PREFILL_INSTANCES"); do P_PORTS+=("$(free_port)"); done
-for _ in $(seq "$NUM_DECODE_INSTANCES"); do D_PORTS+=("$(free_port)"); D_KV_PORTS+=("$(free_port)"); done
+for _ in $(seq "$NUM_PREFILL_INSTANCES"); do next_port; P_PORTS+=("$NEXT_PORT"); done
+for _ in $(seq "$NUM_DECODE_INSTANCES"); do
+  next_port; D_PORTS+=("$NEXT_PORT"); next_port; D_KV_PORTS+=("$NEXT_PORT")
+done
 P_PORT=${P_PORTS[0]}; D_PORT=${D_PORTS[0]}; D_KV_PORT=${D_KV_PORTS[0]}
-A_PORT=$(free_port); X_PORT=$(free_port)
+next_port; A_PORT=$NEXT_PORT; next_port; X_PORT=$NEXT_PORT
 # STAGE_AT=prefill: the proxy names the decode, so the prefill stages in its layout.
 # STAGE_AT=decode: the prefill stages in its own layout and the decode converts.
 STAGE_AT=${STAGE_AT:-prefill}

@@ -23,7 +23,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import requests
+
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = ROOT / ".venv" / "bin" / "python"
@@ -51,12 +52,6 @@ import copy_task  # noqa: E402
 ANSWER_TOKENS = copy_task.answer_max_tokens()
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def shm_objects(prefixes: tuple[str, ...] = LEAKABLE) -> set[str]:
