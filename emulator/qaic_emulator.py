@@ -2,8 +2,12 @@
 the connector protocol, binds it into a batch slot of named host buffers, and decodes from
 those slot bytes with transformers. Same tokens as vLLM means the slot bytes are right.
 
-    python -m emulator.qaic_emulator --model DIR --port 8200 \\
-        --side-channel-port 5600 --slots 32 --ctx 1024 --engine-id emu [--kv-cache-prefix P]
+    python -m emulator.qaic_emulator --model DIR --port 8200 --side-channel-port 5600 \\
+        --slots 32 --ctx 1024 --engine-id emu [--kv-cache-prefix P] [--transport nixl] \\
+        [--programs 2]
+
+Over shm the device DMAs from the prefill's staging; over NIXL the slot buffers are registered
+with a NIXL agent and the READ lands straight in slot k (qaic_slot_pull).
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from vllm_qaic_connector.config import KEY_ENV, load_key
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.qaic_buffers import apply_prefix
+from vllm_qaic_connector.qaic_slot_pull import SlotPuller
 from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
-from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.transports.shm import ShmTransport
+from vllm_qaic_connector.transports import create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -53,21 +58,32 @@ logger = init_logger(__name__)
 T = TypeVar("T")
 # Exported as vllm:qaic_kv_<name>_total. bytes_copied: host copies only; dma_bytes: slot writes.
 COUNTERS: tuple[str, ...] = ("loaded_requests", "loaded_tokens", "load_failures", "bytes_copied")
-COUNTERS += ("dma_bytes", "slot_waits", "slot_wait_timeouts")
+COUNTERS += ("dma_bytes", "slot_waits", "slot_wait_timeouts", "read_descriptors")
 DECOY = "vision_embeds_RetainedState"  # a non-KV retained buffer that must stay untouched
 
 
 def build_manifest(
-    layers: int, slots: int, heads: int, ctx: int, head_dim: int, dtype: str, prefix: str | None
+    layers: int,
+    slots: int,
+    heads: int,
+    ctx: int,
+    head_dim: int,
+    dtype: str,
+    prefix: str | None,
+    programs: int = 1,
 ) -> Manifest:
-    """The buffers a compiled decode QPC exposes: retained K/V per layer, plus a decoy."""
+    """The buffers compiled decode QPCs expose: retained K/V per layer, plus a decoy. With
+    ``programs`` > 1 the layers are split in order over that many programs (layer split)."""
     shape = (slots, heads, ctx, head_dim)
-    kv = [
-        BufferSpec(apply_prefix(f"past_{kind}.{i}_RetainedState", prefix), shape, dtype)
-        for i in range(layers)
-        for kind in ("key", "value")
-    ]
-    return Manifest([[*kv, BufferSpec(DECOY, (slots, 16, head_dim), dtype)]])
+    if not 1 <= programs <= layers:
+        raise ValueError(f"cannot split {layers} layers over {programs} programs")
+    split: list[list[BufferSpec]] = [[] for _ in range(programs)]
+    for i in range(layers):
+        for kind in ("key", "value"):
+            name = apply_prefix(f"past_{kind}.{i}_RetainedState", prefix)
+            split[i * programs // layers].append(BufferSpec(name, shape, dtype))
+    split[0].append(BufferSpec(DECOY, (slots, 16, head_dim), dtype))
+    return Manifest(split)
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,8 @@ class EmulatorConfig:
     host: str = "127.0.0.1"
     side_channel_port: int = 0
     slot_wait_s: float = 60.0
+    transport: str = "shm"  # how the prefill's staged KV reaches the slots: shm or nixl
+    programs: int = 1  # >1: the layers split over that many programs
 
 
 class RequestError(Exception):
@@ -104,15 +122,20 @@ class Emulator:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = {*(eos if isinstance(eos, list) else [eos]), self.tokenizer.eos_token_id}
         self.manifest = build_manifest(
-            layers, cfg.slots, heads, cfg.ctx, head_dim, cfg.dtype, cfg.kv_cache_prefix
-        )
+            layers, cfg.slots, heads, cfg.ctx, head_dim, cfg.dtype, cfg.kv_cache_prefix,
+            cfg.programs,
+        )  # fmt: skip
         self.target = SlotTarget(self.manifest, f"qaic_kv_{cfg.engine_id}", cfg.kv_cache_prefix)
         incarnation = new_incarnation()
-        try:  # nobody reads our endpoint; the transport is here for its `read` of the prefill's
-            self.reader = ShmTransport(staging_name(cfg.engine_id, 0, incarnation), 4096)
+        self.puller: SlotPuller | None = None
+        name = staging_name(cfg.engine_id, 0, incarnation)
+        try:  # nobody reads our staging; the transport is here for its reads of the prefill's
+            self.reader = create_transport(cfg.transport, name, 4096, 10.0)
+            if isinstance(self.reader, NixlTransport):
+                self.puller = SlotPuller(self.target, self.reader)
             self.server = SideChannelServer(cfg.host, cfg.side_channel_port, self._handle, key)
         except BaseException:
-            self.target.close()
+            self._close_io()
             raise
         model = Path(cfg.model).resolve().name
         self.rank = RankMetadata(
@@ -128,7 +151,7 @@ class Emulator:
             num_layers=layers,
             model=model,
             compat_hash=compat_hash(model, cfg.dtype, layers, heads, head_dim),
-            endpoint=self.reader.endpoint(),
+            endpoint=self.reader.endpoint(),  # over NIXL: the agent holding the slot buffers
             incarnation=incarnation,
         )
         self.peers = PeerDirectory(cfg.engine_id, key, timeout_s=10.0)
@@ -200,6 +223,12 @@ class Emulator:
             src.num_kv_heads, src.head_size, remote.staged_block_size, torch_dtype(src.dtype)
         )
         fmt = StagingFormat(remote.staged_layout, geo, src.num_layers)
+        if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
+            runs = self.puller.pull(
+                slot, src.endpoint, remote.staging_offset, geo, n, remote.generation
+            )
+            self.counters["read_descriptors"] += len(runs)
+            return 0, sum(r.nbytes for r in runs)  # the READ is the DMA: no host copy
         blocks = list(range(blocks_for_tokens(n, remote.staged_block_size)))
         nbytes, generation = fmt.request_bytes(n), remote.generation
         with checked_read(
@@ -348,7 +377,14 @@ class Emulator:
         self.server.close()
         self._io.shutdown(wait=True, cancel_futures=True)
         self._compute.shutdown(wait=True, cancel_futures=True)
-        self.reader.close()
+        self._close_io()
+
+    def _close_io(self) -> None:
+        """Deregister the slot buffers before the agent goes, unlink the slots last."""
+        if self.puller is not None:
+            self.puller.close()
+        if hasattr(self, "reader"):
+            self.reader.close()
         self.target.close()
 
 
@@ -366,6 +402,8 @@ def main() -> None:
     add("--kv-cache-prefix", default=None, help="QEfficient kv_cache_prefix of the KV buffers")
     add("--slot-wait-s", type=float, default=60.0, help="longest wait for a free slot")
     add("--corrupt", action="store_true", help="negative control: zero the slot KV")
+    add("--transport", choices=["shm", "nixl"], default="shm", help="how staged KV arrives")
+    add("--programs", type=int, default=1, help="split the layers over this many programs")
     add("--side-channel-key-file", default=None, help=f"shared key (else ${KEY_ENV})")
     args = vars(parser.parse_args())
     port = args.pop("port")

@@ -19,6 +19,9 @@ NUM_DECODE_INSTANCES=${NUM_DECODE_INSTANCES:-1}
 KV_TRANSPORT=${KV_TRANSPORT:-shm}
 DECODE_TARGET=${DECODE_TARGET:-vllm}
 KV_CACHE_PREFIX=${KV_CACHE_PREFIX:-}
+# DECODE_TARGET=qaic: the emulated decode's slots and programs (2: the layers split over two).
+QAIC_SLOTS=${QAIC_SLOTS:-32}
+QAIC_PROGRAMS=${QAIC_PROGRAMS:-1}
 NEGATIVE_CONTROL=${NEGATIVE_CONTROL:-0}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
 # Smaller than the prompts forces chunked prefill on the prefill instance.
@@ -29,8 +32,6 @@ KEEP_RUN=${KEEP_RUN:-0}
 
 unsupported() { echo "unsupported: $*" >&2; exit 2; }
 case "$KV_TRANSPORT" in shm|nixl) ;; *) unsupported "KV_TRANSPORT=$KV_TRANSPORT (shm or nixl)";; esac
-[ "$DECODE_TARGET" != qaic ] || [ "$KV_TRANSPORT" = shm ] \
-  || unsupported "DECODE_TARGET=qaic with KV_TRANSPORT=$KV_TRANSPORT (the QAIC handoff is host shared memory)"
 [ "$DECODE_TARGET" = vllm ] || [ "$DECODE_TARGET" = qaic ] || unsupported "DECODE_TARGET=$DECODE_TARGET (vllm or qaic)"
 case "$PREFILLER_TP_SIZE$DECODER_TP_SIZE" in 11|21|12|22) ;;
   *) unsupported "PREFILLER_TP_SIZE=$PREFILLER_TP_SIZE DECODER_TP_SIZE=$DECODER_TP_SIZE (this machine has 2 cores: TP 1 or 2)";; esac
@@ -147,9 +148,10 @@ done
 if [ "$DECODE_TARGET" = qaic ]; then
   # The QAIC decode emulator plays the decode engine on core 1: QAIC_SLOTS batch slots of
   # MAX_MODEL_LEN tokens in /dev/shm (qaic_kv_${RUN_ID}d_*), same HTTP API, its own /metrics.
+  # KV_TRANSPORT=nixl: its slot buffers are registered with NIXL and READs land in slot k.
   QAIC_ARGS=(--model "$MODEL" --port "$D_PORT" --side-channel-port "$D_KV_PORT"
-             --slots "${QAIC_SLOTS:-32}" --ctx "$MAX_MODEL_LEN" --engine-id "${RUN_ID}d"
-             --dtype "${QAIC_DTYPE:-float32}")
+             --slots "$QAIC_SLOTS" --ctx "$MAX_MODEL_LEN" --engine-id "${RUN_ID}d"
+             --dtype "${QAIC_DTYPE:-float32}" --transport "$KV_TRANSPORT" --programs "$QAIC_PROGRAMS")
   [ -n "$KV_CACHE_PREFIX" ] && QAIC_ARGS+=(--kv-cache-prefix "$KV_CACHE_PREFIX")
   [ "$NEGATIVE_CONTROL" = 1 ] && QAIC_ARGS+=(--corrupt)
   mkdir -p "$RUN_DIR/decode0/tmp"
@@ -228,7 +230,8 @@ if [ "$DECODE_TARGET" = qaic ]; then
   {
     sed '$d' "$RUN_DIR/verdict.txt"
     echo "qaic decode: slots=$(qm "$D" vllm:qaic_slots_total) max_in_use=$(qm "$D" vllm:qaic_slots_in_use_max)" \
-         "in_use_at_end=$in_use slot_waits=$(qm "$D" vllm:qaic_kv_slot_waits_total) kv_cache_prefix=${KV_CACHE_PREFIX:-none}"
+         "in_use_at_end=$in_use slot_waits=$(qm "$D" vllm:qaic_kv_slot_waits_total) kv_cache_prefix=${KV_CACHE_PREFIX:-none}" \
+         "programs=$QAIC_PROGRAMS NIXL descriptors per handoff=$(( $(qm "$D" vllm:qaic_kv_read_descriptors_total) / reqs ))"
     echo "handoff bytes per request: prefill staging write=$((staged / reqs)) emulator host copy=$((host / reqs))" \
          "slot DMA [k,:,0:n,:]=$((dma / reqs)) (= the prompt's KV); host copies per handoff:" \
          "$(awk -v a="$staged" -v b="$host" -v c="$dma" 'BEGIN { printf "%.2f", c ? (a + b) / c : 0 }')"

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from vllm_qaic_connector.layout import (
     LAYOUTS,
+    ByteRun,
     HeadRange,
     KVGeometry,
     StagingFormat,
@@ -16,6 +17,8 @@ from vllm_qaic_connector.layout import (
     copy_tokens,
     gather_tokens,
     get_layout,
+    merge_runs,
+    plan_slot_reads,
     plan_token_runs,
 )
 from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op
@@ -173,3 +176,54 @@ def test_staging_format_round_trip_through_flat_bytes():
 def test_unknown_layout_is_named():
     with pytest.raises(ValueError, match="unknown KV layout 'bogus'"):
         get_layout("bogus")
+
+
+# --- byte plans: reads straight into QAIC slots -------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    ctx=st.integers(1, 9),
+    slots=st.integers(1, 3),
+    data=st.data(),
+)
+def test_slot_read_plan_moves_exactly_the_staged_tokens_into_one_slot(
+    layers, heads, ctx, slots, data
+):
+    """Apply the plan as raw byte copies: slot k of every K/V buffer gets tokens [0, n) of
+    the staged request, nothing else changes, and runs merge wherever both sides continue."""
+    n = data.draw(st.integers(1, ctx))
+    slot = data.draw(st.integers(0, slots - 1))
+    geo = KVGeometry(heads, 4, ctx, torch.int32)
+    fmt = StagingFormat("qaic_slot", geo, layers)
+    region = torch.randint(0, 256, (fmt.request_bytes(n),), dtype=torch.uint8)
+    buf_bytes = slots * heads * ctx * 4 * 4
+    gap = buf_bytes + 64  # buffers apart, as separate allocations are: no merging across them
+    memory = torch.full((2 * layers * gap,), 0xEE, dtype=torch.uint8)  # "address" 0..
+    bases = [(2 * i * gap, (2 * i + 1) * gap) for i in range(layers)]
+    runs = plan_slot_reads(geo, n, slot, bases)
+    for r in runs:
+        memory[r.dst : r.dst + r.nbytes] = region[r.src : r.src + r.nbytes]
+    before = torch.full_like(memory, 0xEE).view(torch.int32)
+    typed = memory.view(torch.int32)
+    for (k_src, v_src), pair in zip(fmt.layer_views(region, n), bases, strict=True):
+        for src, base in zip((k_src, v_src), pair, strict=True):
+            lo = base // 4
+            buf = typed[lo : lo + buf_bytes // 4].view(slots, heads, ctx, 4)
+            old = before[lo : lo + buf_bytes // 4].view(slots, heads, ctx, 4)
+            assert torch.equal(buf[slot, :, :n], src[0, :, :n])
+            assert torch.equal(buf[slot, :, n:], old[slot, :, n:])
+            others = [s for s in range(slots) if s != slot]
+            assert torch.equal(buf[others], old[others])
+    per_buffer = 1 if n == ctx else heads  # all heads are one run when the slot is full
+    assert len(runs) == layers * 2 * per_buffer
+    assert sum(r.nbytes for r in runs) == layers * 2 * heads * n * 16
+
+
+def test_merge_runs_joins_only_runs_that_continue_on_both_sides():
+    runs = [ByteRun(0, 100, 8), ByteRun(8, 108, 8), ByteRun(16, 200, 8), ByteRun(30, 208, 2)]
+    assert merge_runs(runs) == [ByteRun(0, 100, 16), ByteRun(16, 200, 8), ByteRun(30, 208, 2)]
+    with pytest.raises(ValueError, match="tokens into slot"):
+        plan_slot_reads(KVGeometry(1, 4, 8, torch.float32), 9, 0, [(0, 64)])

@@ -24,8 +24,9 @@ from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
-from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.transports.shm import SHM_DIR, ShmTransport
+from vllm_qaic_connector.transports import create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.transports.shm import SHM_DIR
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
@@ -55,9 +56,10 @@ def _leftovers(tag: str) -> list[str]:
 class FakePrefill:
     """A prefill rank: staged KV in its shm segment, a side channel that records releases."""
 
-    def __init__(self, tag: str) -> None:
+    def __init__(self, tag: str, transport: str = "shm") -> None:
         self.engine, self.incarnation = f"{tag}pf", new_incarnation()
-        self.transport = ShmTransport(staging_name(self.engine, 0, self.incarnation), 4 << 20)
+        name = staging_name(self.engine, 0, self.incarnation)
+        self.transport = create_transport(transport, name, 4 << 20, 10.0)
         self.released: list[str] = []
         self.headers = RegionHeaders(self.transport.staging)
         self.generation = 1 << 32
@@ -146,24 +148,48 @@ async def _post(client: TestClient, prompt: str, params: dict | None) -> tuple[i
     return resp.status, await resp.json()
 
 
+SENTINEL = 7.25
+
+
 @pytest.mark.parametrize(
-    ("layout", "block", "prefix"),
-    [("qaic_slot", CTX, None), ("qaic_slot", CTX, "P0"), ("vllm_cpu", 16, None)],
-    ids=["slot-native", "slot-native-prefixed", "vllm-cpu-converted"],
-)
-def test_decodes_from_slot_bytes_like_the_reference(tag, layout, block, prefix):
-    prefill = FakePrefill(tag)
-    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=2, ctx=CTX, kv_cache_prefix=prefix))
+    ("transport", "layout", "block", "prefix", "programs"),
+    [
+        ("shm", "qaic_slot", CTX, None, 1),
+        ("shm", "qaic_slot", CTX, "P0", 1),
+        ("shm", "vllm_cpu", 16, None, 1),
+        ("nixl", "qaic_slot", CTX, None, 1),
+        ("nixl", "qaic_slot", CTX, "P0", 2),
+        ("nixl", "vllm_cpu", 16, None, 1),
+    ],
+    ids=[
+        "shm-slot-native", "shm-slot-native-prefixed", "shm-vllm-cpu-converted",
+        "nixl-slot-native", "nixl-slot-native-prefixed-layer-split", "nixl-vllm-cpu-converted",
+    ],
+)  # fmt: skip
+def test_decodes_from_slot_bytes_like_the_reference(
+    tag, transport, layout, block, prefix, programs
+):
+    prefill = FakePrefill(tag, transport)
+    cfg = EmulatorConfig(
+        MODEL, f"{tag}d", slots=2, ctx=CTX, kv_cache_prefix=prefix, transport=transport,
+        programs=programs,
+    )  # fmt: skip
+    emu = Emulator(cfg)
     try:
+        assert len(emu.manifest.programs) == programs
         decoy = emu.target.buffer(0, DECOY)
         decoy.copy_(torch.randn(decoy.shape))
         decoy_before = decoy.clone()
+        for k, v in (emu.target.kv(i) for i in range(L)):  # slot 1 is never used below
+            k[1].fill_(SENTINEL)
+            v[1].fill_(SENTINEL)
         handshake = side_channel.call(
             "127.0.0.1", emu.server.port, HandshakeRequest(PROTOCOL_VERSION, "x"), None, 5
         )
         assert isinstance(handshake, HandshakeReply)
         assert (handshake.ranks[0].layout_kind, handshake.ranks[0].block_size) == ("qaic_slot", CTX)
-        names = [s.name for s in emu.manifest.programs[0]]
+        assert handshake.ranks[0].endpoint.kind == transport
+        names = [s.name for p in emu.manifest.programs for s in p]
         assert ("past_key.1_P0_RetainedState" in names) == (prefix == "P0")
         tok = emu.tokenizer
         cases = copy_task.heldout_prompts(3)
@@ -186,8 +212,15 @@ def test_decodes_from_slot_bytes_like_the_reference(tag, layout, block, prefix):
         assert c["loaded_requests"] == 3 and c["loaded_tokens"] == tokens
         assert c["dma_bytes"] == tokens * L * 2 * H * D * 4  # exactly [k, :, 0:n, :] per buffer
         assert c["bytes_copied"] == (0 if layout == "qaic_slot" else c["dma_bytes"])
+        direct = transport == "nixl" and layout == "qaic_slot"
+        # Straight into the slot: one descriptor per (layer, K|V, head) as n < ctx.
+        assert c["read_descriptors"] == (3 * L * 2 * H if direct else 0)
         assert emu.slots_in_use == 0 and emu.slots_in_use_max == 1
         assert torch.equal(decoy, decoy_before)
+        for k, v in (emu.target.kv(i) for i in range(L)):
+            assert bool((k[1] == SENTINEL).all()) and bool((v[1] == SENTINEL).all())
+        if isinstance(emu.reader, NixlTransport):  # staging, receive arena, 2 per layer
+            assert emu.reader.registrations == 2 + 2 * L
         # The last request's KV sits in slot 0 exactly as staged (positions [0, n)).
         n = len(tok.encode(cases[2][0]))
         k0 = emu.target.kv(0)[0][0, :, :n]
@@ -244,6 +277,35 @@ def test_refusals_free_the_slot_and_the_staging(tag):
         prefill.close()
 
 
+def test_failed_nixl_pulls_free_the_slot_and_the_staging_and_leave_nothing_registered(tag):
+    """A stale ticket (the region was restaged) and a dead prefill agent: each request gets a
+    clean 502, its slot is free again, the prefill is told to release, and the emulator's
+    NIXL agent holds exactly the registrations it started with and no remote agent."""
+    prefill = FakePrefill(tag, "nixl")
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, transport="nixl"))
+    try:
+        assert isinstance(emu.reader, NixlTransport)
+        (p0, _), (p1, _) = copy_task.heldout_prompts(2)
+        stale = prefill.stage("r0", emu.tokenizer.encode(p0), "qaic_slot", CTX)
+        prefill.stage("r1", emu.tokenizer.encode(p1), "qaic_slot", CTX)  # reuses r0's region
+        status, body = _run(emu, lambda c: _post(c, p0, stale))
+        assert status == 502 and "reused, released or its lease expired" in body["error"]["message"]
+        registered = emu.reader.registrations
+        live = prefill.stage("r2", emu.tokenizer.encode(p0), "qaic_slot", CTX)
+        prefill.transport.close()  # agent and staging gone; the side channel stays up
+        status, body = _run(emu, lambda c: _post(c, p0, live))
+        assert status == 502 and "KV load failed" in body["error"]["message"]
+        assert prefill.released == ["r0", "r2"]
+        assert emu.counters["load_failures"] == 2 and emu.counters["read_descriptors"] == 0
+        assert emu.slots_in_use == 0 and emu.target.allocate_slot() == 0
+        assert emu.reader.registrations == registered == 2 + 2 * L
+        assert emu.reader.remote_agents == []
+    finally:
+        emu.close()
+        prefill.close()
+    assert emu.reader.registrations == 0
+
+
 # --- the real thing: vLLM prefill -> emulator ------------------------------------------------
 
 SLOTS = re.compile(r"qaic decode: slots=(\d+) max_in_use=(\d+) in_use_at_end=(\d+)")
@@ -255,27 +317,40 @@ def _run_leftovers(out: str) -> list[str]:
     return _leftovers(run_id.group(1))
 
 
-def test_vllm_prefill_to_qaic_emulator():
+DESCRIPTORS = re.compile(r"programs=(\d+) NIXL descriptors per handoff=(\d+)")
+
+
+@pytest.mark.parametrize(
+    ("transport", "programs"), [("shm", "1"), ("nixl", "2")], ids=["shm", "nixl-layer-split"]
+)
+def test_vllm_prefill_to_qaic_emulator(transport, programs):
     # 8 slots for 16 requests in flight: slots must be waited for, freed and reused.
     rc, out = harness(
         DECODE_TARGET="qaic", NUM_PROMPTS="16", CONCURRENCY="16", QAIC_SLOTS="8",
-        KV_CACHE_PREFIX="P0",
+        KV_CACHE_PREFIX="P0", KV_TRANSPORT=transport, QAIC_PROGRAMS=programs,
     )  # fmt: skip
     m = last_line(out)
     assert rc == 0, "harness gates failed"
     acc, agg, agreement = float(m.group(1)), float(m.group(2)), float(m.group(3))
     assert acc >= 0.95 and acc == agg and agreement >= 99.0
-    assert m.group(4) == "16" and m.group(5) == "shm"
+    assert m.group(4) == "16" and m.group(5) == transport
     slots = SLOTS.search(out)
     assert slots, "no slot report"
     assert int(slots.group(1)) == 8 and 1 <= int(slots.group(2)) <= 8
     assert int(slots.group(3)) == 0
     assert "host copies per handoff: 1.00" in out
+    descriptors = DESCRIPTORS.search(out)
+    assert descriptors and descriptors.group(1) == programs
+    # Over NIXL, one READ descriptor per (layer, K|V, head) lands in the slot: 2 * 2 * 2.
+    assert int(descriptors.group(2)) == (8 if transport == "nixl" else 0)
     assert _run_leftovers(out) == []
 
 
 def test_qaic_negative_control_fails():
-    rc, out = harness(DECODE_TARGET="qaic", NEGATIVE_CONTROL="1", NUM_PROMPTS="16")
+    # Over NIXL: the READ lands in the slot, and zeroing the slot must still be caught.
+    rc, out = harness(
+        DECODE_TARGET="qaic", KV_TRANSPORT="nixl", NEGATIVE_CONTROL="1", NUM_PROMPTS="16"
+    )
     assert rc != 0
     assert "corrupted KV was detected" in out
     assert float(last_line(out).group(1)) < 0.3

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -243,6 +243,54 @@ def gather_tokens(
         parts = [view[blocks[t // bs], :, t % bs, :] for t in range(num_tokens)]
         out.append(torch.stack(parts, dim=1) if parts else view[:0, :, 0, :].transpose(0, 1))
     return out[0], out[1]
+
+
+# ---------------------------------------------------------------------------
+# Byte plans: reads straight into a destination's memory (NIXL into QAIC slots)
+
+
+@dataclass(frozen=True)
+class ByteRun:
+    src: int  # offset in the source region
+    dst: int  # destination address (or offset)
+    nbytes: int
+
+
+def merge_runs(runs: Iterable[ByteRun]) -> list[ByteRun]:
+    """Fewer, longer runs: a run that continues the previous one on both sides joins it
+    (a transfer costs per descriptor)."""
+    out: list[ByteRun] = []
+    for r in runs:
+        last = out[-1] if out else None
+        if last and last.src + last.nbytes == r.src and last.dst + last.nbytes == r.dst:
+            out[-1] = ByteRun(last.src, last.dst, last.nbytes + r.nbytes)
+        elif r.nbytes:
+            out.append(r)
+    return out
+
+
+def plan_slot_reads(
+    geo: KVGeometry, num_tokens: int, slot: int, buffers: Sequence[tuple[int, int]]
+) -> list[ByteRun]:
+    """Runs that move a request staged as one ``qaic_slot`` block (``geo.block_size`` is the
+    slot's ctx) into ``[slot, h, 0:num_tokens, :]`` of each layer's K and V buffer, given as
+    base addresses of ``[slots, H, ctx, D]`` tensors. A head's tokens are one run on both
+    sides; all heads of a buffer merge into one when the prompt fills the slot."""
+    if not 0 < num_tokens <= geo.block_size or slot < 0:
+        raise ValueError(f"{num_tokens} tokens into slot {slot} of ctx {geo.block_size}")
+    row = geo.head_size * geo.dtype.itemsize
+    head_bytes = geo.block_size * row
+    plane = geo.num_heads * head_bytes  # one layer's K (or V) of one slot, staged or target
+    return merge_runs(
+        ByteRun(
+            (2 * layer + kind) * plane + h * head_bytes,
+            base + slot * plane + h * head_bytes,
+            num_tokens * row,
+        )  # fmt: skip
+        for layer, pair in enumerate(buffers)
+        for kind, base in enumerate(pair)
+        for h in range(geo.num_heads)
+    )
 
 
 # ---------------------------------------------------------------------------

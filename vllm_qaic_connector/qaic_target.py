@@ -9,10 +9,8 @@ re-sends the others. Non-KV buffers are allocated but never read or written here
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import math
-import os
 import threading
 from collections import Counter
 from collections.abc import Sequence
@@ -24,7 +22,7 @@ from msgspec.structs import force_setattr
 
 from vllm_qaic_connector.layout import copy_tokens
 from vllm_qaic_connector.qaic_buffers import kv_buffer_regex, parse_kv_name
-from vllm_qaic_connector.transports.shm import SHM_DIR, SharedSegment
+from vllm_qaic_connector.transports.shm import SharedSegment
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -222,14 +220,12 @@ class SlotTarget:
         )
 
     def close(self) -> None:
-        """Unlink every segment (idempotent). Not SharedSegment.close(): it unmaps even while
-        views handed out by ``kv``/``buffer`` live, and touching one then segfaults. Views
-        hold the mmap, so it is unmapped when the last of them goes."""
+        """Unlink every segment (idempotent). Views handed out by ``kv``/``buffer`` stay
+        valid: they hold the mapping, which goes with the last of them."""
         self._closed = True
         self._buffers, self._kv = [], []
         for seg in self._segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, seg.name))
+            seg.close()
         self._segments = []
 
     def __enter__(self) -> SlotTarget:
@@ -246,13 +242,17 @@ class SlotTarget:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} out of range [0, {self.num_slots})")
 
-    def _check_write(self, slot: int, num_layers: int, num_tokens: int) -> None:
+    def check_writable(self, slot: int, num_tokens: int) -> None:
+        """ValueError unless ``slot`` is allocated and ``num_tokens`` fits it."""
         self._check_open()
         self._check_slot(slot)
         if not 0 <= num_tokens <= self.ctx_len:
             raise ValueError(f"num_tokens {num_tokens} outside [0, ctx_len={self.ctx_len}]")
-        if num_layers != self.num_layers:
-            raise ValueError(f"got KV for {num_layers} layers, target has {self.num_layers}")
         with self._lock:
             if slot in self._free:
                 raise ValueError(f"slot {slot} is not allocated; call allocate_slot() first")
+
+    def _check_write(self, slot: int, num_layers: int, num_tokens: int) -> None:
+        self.check_writable(slot, num_tokens)
+        if num_layers != self.num_layers:
+            raise ValueError(f"got KV for {num_layers} layers, target has {self.num_layers}")

@@ -113,6 +113,35 @@ def checked_read(
         yield region[HEADER_BYTES:]
     finally:
         transport.release_read(peer, offset)
+    _check_after(transport, peer, offset, generation, notify)
+
+
+@contextmanager
+def checked_region(
+    transport: KVTransport,
+    peer: TransportEndpoint,
+    offset: int,
+    generation: int,
+    notify: bytes | None = None,
+) -> Iterator[None]:
+    """``checked_read`` for a caller that moves the bytes itself (a READ straight into its
+    own memory): the header is checked before and after the body of the ``with``."""
+    header = transport.read(peer, offset, HEADER_BYTES)
+    try:
+        _expect(header_generation(header), generation, "before the copy")
+    finally:
+        transport.release_read(peer, offset)
+    yield
+    _check_after(transport, peer, offset, generation, notify)
+
+
+def _check_after(
+    transport: KVTransport,
+    peer: TransportEndpoint,
+    offset: int,
+    generation: int,
+    notify: bytes | None,
+) -> None:
     after = transport.read(peer, offset, HEADER_BYTES, notify=notify)
     try:
         _expect(header_generation(after), generation, "after the copy")

@@ -19,10 +19,12 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from vllm_qaic_connector.layout import ByteRun
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.wire import TransportEndpoint
 
@@ -95,6 +97,7 @@ class NixlTransport(KVTransport):
         self._used: list[tuple[int, int]] = []  # arena ranges handed out, sorted
         self._held: dict[tuple[str, int], list[_Held]] = {}
         self._peers: dict[str, bytes] = {}  # remote agents loaded, with their metadata
+        self._destinations: dict[int, tuple[int, Any]] = {}  # address -> (bytes, registration)
 
     @property
     def staging(self) -> torch.Tensor:
@@ -119,11 +122,9 @@ class NixlTransport(KVTransport):
         self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
     ) -> torch.Tensor:
         """One NIXL READ; ``notify`` reaches the peer's `poll_notifications` after the data."""
-        if peer.kind != self.kind:
-            raise ConnectionError(f"peer uses transport {peer.kind!r}, we use {self.kind!r}")
+        agent, base = self._check_peer(peer)
         if offset < 0 or nbytes <= 0 or offset + nbytes > peer.size:
             raise ValueError(f"read [{offset}, {offset + nbytes}) outside segment {peer.address}")
-        agent, base = split_address(peer.address)
         with self._lock:
             self._check_open()
             self._connect(agent, peer.agent_metadata)
@@ -141,6 +142,55 @@ class NixlTransport(KVTransport):
         with self._lock:
             self._held.setdefault((peer.address, offset), []).append(held)
         return held.tensor
+
+    def register_destination(self, tensor: torch.Tensor) -> None:
+        """Let ``read_into`` write straight into ``tensor``'s memory (e.g. QAIC KV buffers)."""
+        with self._lock:
+            self._check_open()
+            if tensor.data_ptr() not in self._destinations:
+                size = tensor.numel() * tensor.element_size()
+                self._destinations[tensor.data_ptr()] = (size, self._register(tensor))
+
+    def deregister_destination(self, tensor: torch.Tensor) -> None:
+        with self._lock:
+            held = self._destinations.pop(tensor.data_ptr(), None)
+            if held is not None and not self._closed:
+                self._give_back(_Held(tensor, -1, held[1]))
+
+    def read_into(
+        self,
+        peer: TransportEndpoint,
+        runs: Sequence[ByteRun],
+        *,
+        base_offset: int = 0,
+        notify: bytes | None = None,
+    ) -> int:
+        """One NIXL transfer, one descriptor per run: peer staging ``[base_offset + run.src,
+        +nbytes)`` lands at local address ``run.dst``, which must lie in a registered
+        destination. No receive buffer, no copy. Returns the bytes read."""
+        agent, base = self._check_peer(peer)
+        for r in runs:
+            src = base_offset + r.src
+            if r.nbytes <= 0 or src < 0 or src + r.nbytes > peer.size:
+                raise ValueError(f"read [{src}, {src + r.nbytes}) outside segment {peer.address}")
+            if not any(a <= r.dst and r.dst + r.nbytes <= a + n for a, (n, _) in
+                       self._destinations.items()):  # fmt: skip
+                raise ValueError(f"destination {r.dst:#x}+{r.nbytes} is not registered memory")
+        with self._lock:
+            self._check_open()
+            self._connect(agent, peer.agent_metadata)
+            try:
+                local = self._agent.get_xfer_descs([(r.dst, r.nbytes, 0) for r in runs], "DRAM")
+                remote = self._agent.get_xfer_descs(
+                    [(base + base_offset + r.src, r.nbytes, 0) for r in runs], "DRAM"
+                )
+                handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
+                state = self._agent.transfer(handle)
+            except self._errors as exc:
+                self._drop_peer(agent)
+                raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
+        self._wait(agent, handle, state, None)
+        return sum(r.nbytes for r in runs)
 
     def release_read(self, peer: TransportEndpoint, offset: int) -> None:
         with self._lock:
@@ -172,6 +222,7 @@ class NixlTransport(KVTransport):
                 self._drop_peer(agent)
             self._held.clear()
             self._used.clear()
+            self._destinations.clear()
             for reg in self._regs:
                 try:
                     self._agent.deregister_memory(reg)
@@ -185,6 +236,11 @@ class NixlTransport(KVTransport):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"nixl transport {self.agent_name} is closed")
+
+    def _check_peer(self, peer: TransportEndpoint) -> tuple[str, int]:
+        if peer.kind != self.kind:
+            raise ConnectionError(f"peer uses transport {peer.kind!r}, we use {self.kind!r}")
+        return split_address(peer.address)
 
     def _register(self, tensor: torch.Tensor) -> Any:
         reg = self._agent.register_memory(tensor)
@@ -212,7 +268,7 @@ class NixlTransport(KVTransport):
             except self._errors as exc:
                 logger.warning("nixl: removing remote agent %s failed: %s", agent, exc)
 
-    def _wait(self, agent: str, handle: Any, state: str, held: _Held) -> None:
+    def _wait(self, agent: str, handle: Any, state: str, held: _Held | None) -> None:
         deadline, pause = time.monotonic() + self.timeout_s, 0.0
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(pause)  # 0 first: small reads finish in tens of microseconds
@@ -227,7 +283,8 @@ class NixlTransport(KVTransport):
                 return
             try:
                 handle.release()  # cancels a transfer still in flight
-                self._give_back(held)
+                if held is not None:
+                    self._give_back(held)
             except self._errors:  # keep the buffer out of circulation: UCX may still write it
                 logger.warning("nixl: a read from %s could not be cancelled", agent)
             self._drop_peer(agent)  # reconnect afresh next time
