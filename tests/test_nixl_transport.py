@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 
 pytest.importorskip("nixl")
 
+from tests.netns import rx_bytes, veth_link
 from tests.nixl_peer import RANGES, SEED, SIZE, decode, encode, pattern  # noqa: E402
 from tests.rank_worker import make_worker  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
@@ -210,82 +210,40 @@ def test_a_stalled_peer_times_out_instead_of_hanging(owner_factory):
         reader.close()
 
 
-def run(*cmd: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-
-
-def rx_bytes(ns: str, dev: str) -> int:
-    shown = run("ip", "-n", ns, "-s", "-j", "link", "show", dev)
-    return int(json.loads(shown.stdout)[0]["stats64"]["rx"]["bytes"])
-
-
 def test_across_network_namespaces_over_a_veth_link():
     """Owner and reader in two network namespaces joined by a veth pair, UCX over TCP only:
     the bytes cross a network link, not shared memory or loopback."""
-    assert shutil.which("ip"), "iproute2 `ip` is missing; scripts/setup_env.sh installs it"
-    ns_a, ns_b, dev_a, dev_b = f"qaicA{PID}", f"qaicB{PID}", f"qva{PID}", f"qvb{PID}"
-    added = run("ip", "netns", "add", ns_a)
-    if added.returncode != 0:
-        denied = "ermission" in added.stderr or "not permitted" in added.stderr
-        if denied and not os.environ.get("CI"):  # CI must run the cross-host path
-            reason = f"cannot create network namespaces: {added.stderr.strip()}"
-            print(reason)
-            pytest.skip(reason)
-        raise AssertionError(added.stderr)
     owner: Peer | None = None
-    try:
-        for cmd in [
-            ("ip", "netns", "add", ns_b),
-            ("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b),
-            ("ip", "link", "set", dev_a, "netns", ns_a),
-            ("ip", "link", "set", dev_b, "netns", ns_b),
-            ("ip", "-n", ns_a, "addr", "add", "10.77.0.1/24", "dev", dev_a),
-            ("ip", "-n", ns_b, "addr", "add", "10.77.0.2/24", "dev", dev_b),
-            ("ip", "-n", ns_a, "link", "set", dev_a, "up"),
-            ("ip", "-n", ns_b, "link", "set", dev_b, "up"),
-            ("ip", "-n", ns_a, "link", "set", "lo", "up"),
-            ("ip", "-n", ns_b, "link", "set", "lo", "up"),
-        ]:
-            done = run(*cmd)
-            assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
-        # Isolation is real: namespace B sees its own address and not A's.
-        addrs_b = run("ip", "-n", ns_b, "-4", "addr").stdout
-        assert "10.77.0.2" in addrs_b and "10.77.0.1" not in addrs_b
-        rx_before = rx_bytes(ns_b, dev_b)
-        name, t0 = f"qaic_owner_{PID}_netns", time.monotonic()
-        owner, endpoint = start_owner(
-            name,
-            {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_a},
-            prefix=["ip", "netns", "exec", ns_a],
-        )
-        reader = subprocess.run(
-            ["ip", "netns", "exec", ns_b, sys.executable, str(PEER), "reader"]
-            + [encode(endpoint), "--name", f"qaic_reader_{PID}_netns"],
-            env={**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b},
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        out = reader.stdout + reader.stderr
-        print(f"--- reader output ({time.monotonic() - t0:.1f}s after start):\n{out}")
-        lines = [ln for ln in reader.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert lines, out
-        result = json.loads(lines[-1].removeprefix("RESULT "))
-        assert result["mismatches"] == [] and result["notify_read_ok"], out
-        assert result["bytes"] == sum(n for _, n in RANGES)
-        assert result["registrations_after_close"] == 0
-        assert reader.returncode == 0, out
-        # The READs really crossed the veth link into the reader's namespace.
-        assert rx_bytes(ns_b, dev_b) - rx_before >= result["bytes"]
-        assert b"req-1" in owner.wait_for_notification(b"req-1")
-        assert owner.close() == "0 0"
-    finally:
-        if owner is not None:
-            owner.kill()
-            print(f"--- owner output:\n{''.join(owner.log)}")
-        for ns in (ns_a, ns_b):
-            run("ip", "netns", "del", ns)  # takes the veth pair with it
-    assert ns_a not in run("ip", "netns", "list").stdout
+    with veth_link(f"qv{PID}", "10.77.0") as link:
+        try:
+            rx_before = rx_bytes(link.ns_b, link.dev_b)
+            name, t0 = f"qaic_owner_{PID}_netns", time.monotonic()
+            owner, endpoint = start_owner(name, link.tcp_env("a"), prefix=link.exec_in("a"))
+            reader = subprocess.run(
+                [*link.exec_in("b"), sys.executable, str(PEER), "reader"]
+                + [encode(endpoint), "--name", f"qaic_reader_{PID}_netns"],
+                env={**os.environ, **link.tcp_env("b")},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            out = reader.stdout + reader.stderr
+            print(f"--- reader output ({time.monotonic() - t0:.1f}s after start):\n{out}")
+            lines = [ln for ln in reader.stdout.splitlines() if ln.startswith("RESULT ")]
+            assert lines, out
+            result = json.loads(lines[-1].removeprefix("RESULT "))
+            assert result["mismatches"] == [] and result["notify_read_ok"], out
+            assert result["bytes"] == sum(n for _, n in RANGES)
+            assert result["registrations_after_close"] == 0
+            assert reader.returncode == 0, out
+            # The READs really crossed the veth link into the reader's namespace.
+            assert rx_bytes(link.ns_b, link.dev_b) - rx_before >= result["bytes"]
+            assert b"req-1" in owner.wait_for_notification(b"req-1")
+            assert owner.close() == "0 0"
+        finally:
+            if owner is not None:
+                owner.kill()
+                print(f"--- owner output:\n{''.join(owner.log)}")
 
 
 def test_forget_peer_drops_its_reads_and_a_later_read_reconnects():

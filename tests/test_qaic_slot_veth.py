@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("nixl")
 
-from tests.test_nixl_transport import Peer, run, rx_bytes  # noqa: E402
+from tests.netns import rx_bytes, veth_link  # noqa: E402
+from tests.test_nixl_transport import Peer  # noqa: E402
 from vllm_qaic_connector.transports.shm import SHM_DIR  # noqa: E402
 
 PEER = Path(__file__).resolve().parent / "qaic_slot_peer.py"
@@ -27,64 +25,26 @@ PROMPTS = 3
 L, H, D = 2, 2, 32  # the tiny model's layers, KV heads, head size (float32)
 
 
-@contextmanager
-def veth_namespaces(ns_a: str, ns_b: str, dev_a: str, dev_b: str) -> Iterator[None]:
-    """Two namespaces, ``dev_a`` 10.78.0.1 in A and ``dev_b`` 10.78.0.2 in B; skips where
-    namespaces cannot be made, except under CI, which must run the cross-host path."""
-    assert shutil.which("ip"), "iproute2 `ip` is missing; scripts/setup_env.sh installs it"
-    added = run("ip", "netns", "add", ns_a)
-    if added.returncode != 0:
-        denied = "ermission" in added.stderr or "not permitted" in added.stderr
-        if denied and not os.environ.get("CI"):
-            reason = f"cannot create network namespaces: {added.stderr.strip()}"
-            print(reason)
-            pytest.skip(reason)
-        raise AssertionError(added.stderr)
-    try:
-        for cmd in [
-            ("ip", "netns", "add", ns_b),
-            ("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b),
-            ("ip", "link", "set", dev_a, "netns", ns_a),
-            ("ip", "link", "set", dev_b, "netns", ns_b),
-            ("ip", "-n", ns_a, "addr", "add", "10.78.0.1/24", "dev", dev_a),
-            ("ip", "-n", ns_b, "addr", "add", "10.78.0.2/24", "dev", dev_b),
-            ("ip", "-n", ns_a, "link", "set", dev_a, "up"),
-            ("ip", "-n", ns_b, "link", "set", dev_b, "up"),
-            ("ip", "-n", ns_a, "link", "set", "lo", "up"),
-            ("ip", "-n", ns_b, "link", "set", "lo", "up"),
-        ]:
-            done = run(*cmd)
-            assert done.returncode == 0, f"{' '.join(cmd)}: {done.stderr}"
-        addrs_b = run("ip", "-n", ns_b, "-4", "addr").stdout
-        assert "10.78.0.2" in addrs_b and "10.78.0.1" not in addrs_b  # isolation is real
-        yield
-    finally:
-        for ns in (ns_a, ns_b):
-            run("ip", "netns", "del", ns)  # takes the veth pair with it
-    assert ns_a not in run("ip", "netns", "list").stdout
-
-
 def _shm_objects(tag: str) -> list[str]:
     return [n for n in os.listdir(SHM_DIR) if n.startswith(f"qaic_kv_{tag}")]
 
 
 def test_nixl_pull_into_qaic_slots_across_a_veth_link():
     tag = f"sv{PID}"
-    ns_a, ns_b, dev_a, dev_b = f"qsA{PID}", f"qsB{PID}", f"qsa{PID}", f"qsb{PID}"
     try:
-        with veth_namespaces(ns_a, ns_b, dev_a, dev_b):
-            rx_before, t0 = rx_bytes(ns_b, dev_b), time.monotonic()
+        with veth_link(f"qs{PID}", "10.78.0") as link:
+            rx_before, t0 = rx_bytes(link.ns_b, link.dev_b), time.monotonic()
             prefill = Peer(
-                ["ip", "netns", "exec", ns_a, sys.executable, str(PEER), "prefill"]
+                [*link.exec_in("a"), sys.executable, str(PEER), "prefill"]
                 + ["--tag", tag, "--prompts", str(PROMPTS)],
-                {"UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_a},
+                link.tcp_env("a"),
             )
             try:
                 staged = prefill.expect("STAGED", timeout=120)
                 decode = subprocess.run(
-                    ["ip", "netns", "exec", ns_b, sys.executable, str(PEER), "decode", staged]
+                    [*link.exec_in("b"), sys.executable, str(PEER), "decode", staged]
                     + ["--tag", tag],
-                    env={**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": dev_b},
+                    env={**os.environ, **link.tcp_env("b")},
                     capture_output=True,
                     text=True,
                     timeout=180,
@@ -108,7 +68,7 @@ def test_nixl_pull_into_qaic_slots_across_a_veth_link():
                 assert result["registrations_after_close"] == 0
                 assert decode.returncode == 0, out
                 # The READs really crossed the veth link into the decode's namespace.
-                assert rx_bytes(ns_b, dev_b) - rx_before >= result["bytes"]
+                assert rx_bytes(link.ns_b, link.dev_b) - rx_before >= result["bytes"]
                 assert prefill.close() == "0 0"
             finally:
                 prefill.kill()
