@@ -165,7 +165,7 @@ else
       "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" $(tp_args "$DECODER_TP_SIZE")
   done
 fi
-PROXY_ARGS=(--prefill) DECODE_URLS=() DECODE_KVS=()
+PROXY_ARGS=(--routing pairs --prefill) DECODE_URLS=() DECODE_KVS=()
 for port in "${P_PORTS[@]}"; do PROXY_ARGS+=("http://127.0.0.1:$port"); done
 for j in "${!D_PORTS[@]}"; do
   DECODE_URLS+=("http://127.0.0.1:${D_PORTS[$j]}"); DECODE_KVS+=("127.0.0.1:${D_KV_PORTS[$j]}")

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests import proxy_clients
 from tests.live_servers import (
     LiveRun,
     Server,
@@ -147,7 +148,9 @@ def start_cluster(label: str, transport: str, keyed: bool) -> Cluster:
 
         def start(name: str, core: str, role: str, letter: str, policy: str, **kw: Any) -> Any:
             kv = kv_config(role, run.engine_id(letter), free_port(), transport, policy, **kw)
-            return run.vllm(name, core, kv, extra_env=p_env if role == "kv_producer" else None)
+            env = p_env if role == "kv_producer" else None
+            chat = ["--chat-template", proxy_clients.CHAT_TEMPLATE]  # the model has none
+            return run.vllm(name, core, kv, extra_args=chat, extra_env=env)
 
         prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S)
         decode = start("decode", "1", "kv_consumer", "d", "recompute", **d_extra)
@@ -528,6 +531,28 @@ class TestShm:
             "as a supervisor's would; vLLM's shutdown then force-kills the worker that owns "
             "the segment)"
         )
+
+    # --- issue #12: real clients through the proxy (tests/proxy_clients.py) ----------------
+
+    def test_h_openai_clients_through_the_proxy(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        say(
+            "openai clients", **proxy_clients.check_openai_clients(c.proxy, c.prefill, c.prompts(2))
+        )
+
+    def test_i_client_abort_mid_stream(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        prompt = c.prompts(1)[0][0]
+        say(
+            "client abort", **proxy_clients.check_client_abort(c.proxy, c.prefill, c.decode, prompt)
+        )
+
+    def test_j_vllm_bench_serve(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        say("vllm bench serve", **proxy_clients.check_vllm_bench_serve(c.proxy))
 
 
 # --- NIXL --------------------------------------------------------------------------------------

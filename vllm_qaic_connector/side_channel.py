@@ -6,18 +6,20 @@ are answered with an ErrorReply where the envelope allows a reply, and dropped o
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable
 
 import zmq
-from vllm.logger import init_logger
 
 from vllm_qaic_connector.wire import NONCE_BYTES, ErrorReply, Message, encode_message, open_message
 
 Handler = Callable[[Message], Message]
-logger = init_logger(f"vllm.{__name__}")
+# Inside vLLM's logger tree (printed in an engine) without importing vLLM: the proxy uses
+# this module too.
+logger = logging.getLogger(f"vllm.{__name__}")
 
 MAX_MESSAGE_BYTES = 1 << 20  # requests are small; libzmq drops a peer that sends more
 MAX_REPLY_BYTES = 64 << 20  # handshake replies carry NIXL agent metadata

@@ -1,0 +1,53 @@
+"""Which prefill and which decode serve a request: least outstanding requests, or a
+round-robin over every (prefill, decode) pair (the harness: each decode meets each prefill).
+No I/O: the proxy reports when a leg starts and ends."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class LeastOutstanding:
+    """Picks the backend with the fewest requests in flight; ties go round-robin, so an idle
+    pool still spreads load and one slow backend never collects a queue."""
+
+    def __init__(self, backends: list[str]) -> None:
+        if not backends:
+            raise ValueError("no backends")
+        self.outstanding = dict.fromkeys(backends, 0)
+        self._turn = itertools.count()
+
+    def pick(self) -> str:
+        fewest = min(self.outstanding.values())
+        tied = [b for b, n in self.outstanding.items() if n == fewest]
+        return tied[next(self._turn) % len(tied)]
+
+    @contextmanager
+    def busy(self, backend: str) -> Iterator[str]:
+        """Counts ``backend`` as serving one more request for the ``with`` body."""
+        self.outstanding[backend] += 1
+        try:
+            yield backend
+        finally:
+            self.outstanding[backend] -= 1
+
+
+class Router:
+    """``least-outstanding`` (default) picks each leg on its own; ``pairs`` cycles through
+    every (prefill, decode) pair in order."""
+
+    MODES = ("least-outstanding", "pairs")
+
+    def __init__(self, prefills: list[str], decodes: list[str], mode: str) -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"routing {mode!r}: choose one of {', '.join(self.MODES)}")
+        self.prefills, self.decodes = LeastOutstanding(prefills), LeastOutstanding(decodes)
+        self._pairs = itertools.cycle(itertools.product(prefills, decodes))
+        self.mode = mode
+
+    def route(self) -> tuple[str, str]:
+        if self.mode == "pairs":
+            return next(self._pairs)
+        return self.prefills.pick(), self.decodes.pick()
