@@ -61,6 +61,11 @@ PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 SAVED = "vllm:qaic_kv_saved_requests_total"
 LOADED = "vllm:qaic_kv_loaded_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
+LOAD_SECONDS = "vllm:qaic_kv_load_seconds_count"  # histogram samples
+SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
+READS = "vllm:qaic_kv_read_descriptors_total"
+HANDSHAKES = "vllm:qaic_kv_handshakes_total"
+EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 
 
 def say(case: str, **fields: object) -> None:
@@ -165,8 +170,9 @@ def start_cluster(label: str, transport: str, keyed: bool) -> Cluster:
         raise
 
 
-def finish_cluster(cluster: Cluster) -> None:
+def finish_cluster(cluster: Cluster, failed: bool) -> None:
     t0 = time.monotonic()
+    cluster.run.keep |= failed  # a failed case's server logs say why
     report = cluster.run.close()
     say(f"{cluster.transport} teardown", seconds=round(time.monotonic() - t0, 1))
     print(report.summary(), flush=True)
@@ -174,33 +180,46 @@ def finish_cluster(cluster: Cluster) -> None:
 
 
 @pytest.fixture(scope="class")
-def shm_cluster() -> Iterator[Cluster]:
+def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     cluster = start_cluster("faultshm", "shm", keyed=False)
+    failed = request.session.testsfailed
     yield cluster
-    finish_cluster(cluster)
+    finish_cluster(cluster, request.session.testsfailed > failed)
 
 
 @pytest.fixture(scope="class")
-def nixl_cluster() -> Iterator[Cluster]:
+def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     pytest.importorskip("nixl")
     cluster = start_cluster("faultnixl", "nixl", keyed=True)
+    failed = request.session.testsfailed
     yield cluster
-    finish_cluster(cluster)
+    finish_cluster(cluster, request.session.testsfailed > failed)
 
 
 # --- cases shared by both transports -----------------------------------------------------------
 
 
 def check_happy_path(c: Cluster) -> None:
+    """Eight handoffs through the proxy, and the connector's metrics on both /metrics."""
     c.ensure(c.prefill, c.decode, c.proxy)
-    loaded0 = c.decode.metric(LOADED, 0.0)
+    names = (LOADED, LOAD_SECONDS, READS)
+    before = {n: c.decode.metric(n, 0.0) for n in names}
+    saves0 = c.prefill.metric(SAVE_SECONDS, 0.0)
     answers = ask_all(c.proxy.url, c.prompts(8), 4)
     time.sleep(1.0)  # the last step's connector stats reach /metrics
-    loaded = c.decode.metric(LOADED, 0.0) - loaded0
+    loaded, timed, reads = (c.decode.metric(n, 0.0) - before[n] for n in names)
+    saves = c.prefill.metric(SAVE_SECONDS, 0.0) - saves0
     verdicts = [a.verdict for a in answers]
-    say(f"happy path {c.transport}", correct=verdicts.count("correct"), of=8, kv_loads=loaded)
+    say(
+        f"happy path {c.transport}", correct=verdicts.count("correct"), of=8, kv_loads=loaded,
+        load_seconds_samples=timed, save_seconds_samples=saves, read_descriptors=reads,
+        handshakes=c.decode.metric(HANDSHAKES, 0.0),
+    )  # fmt: skip
     assert verdicts == ["correct"] * 8, [a.brief() for a in answers if a.verdict != "correct"]
     assert loaded >= 4, f"only {loaded:.0f} of 8 handoffs loaded KV (the rest recomputed)"
+    # Issue #13 metrics: one load and one save time per handoff, two reads per source rank.
+    assert timed == loaded and reads == 2 * loaded and saves >= 8
+    assert c.decode.metric(HANDSHAKES, 0.0) >= 1
 
 
 def check_stale_ticket(c: Cluster) -> None:
@@ -221,15 +240,18 @@ def check_stale_ticket(c: Cluster) -> None:
     ans = ask(c.decode.url, pa, aa, params_a)
     time.sleep(1.0)
     failures = c.decode.metric(LOAD_FAILURES, 0.0) - failures0
+    expiries = c.prefill.metric(EXPIRIES, 0.0)
     say(
         f"a stale ticket {c.transport}",
         outcome=ans.verdict,
         seconds=round(ans.seconds, 2),
         region_reused=reused,
         decode_load_failures=failures,
+        prefill_lease_expiries=expiries,
     )
     assert ans.verdict in ("correct", "error"), f"stale ticket: {ans.brief()}"
     assert reused, "A's staged region was never reused: the case did not test what it should"
+    assert expiries >= 1, "A's lease expired, but the prefill's metrics do not say so"
 
 
 def check_forged_ticket(c: Cluster) -> None:

@@ -125,6 +125,7 @@ class PeerDirectory:
         self.ours: RankMetadata | None = None  # set once our workers registered
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._lock = threading.Lock()
+        self._completed = 0  # handshakes since the last take_handshakes()
 
     def _probe(self, host: str, port: int) -> None:
         """A plain TCP connect: a refused port or an unknown host fails at once, by name,
@@ -168,7 +169,15 @@ class PeerDirectory:
             problem = incompatibility(self.ours, reply.ranks[0])
             if problem:
                 raise PeerRefused(f"incompatible peer at {host}:{port}: {problem}")
+        with self._lock:
+            self._completed += 1
         return reply.ranks
+
+    def take_handshakes(self) -> int:
+        """Handshakes completed since the last call (for the stats)."""
+        with self._lock:
+            done, self._completed = self._completed, 0
+            return done
 
     def _run(self, host: str, port: int, entry: _Entry) -> None:
         try:

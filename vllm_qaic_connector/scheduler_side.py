@@ -136,6 +136,7 @@ class SchedulerSide:
         self._key = cfg.shared_key
         self._renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
+        self._expired = 0  # leases expired since the last pool_stats()
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, self._key
         )
@@ -178,6 +179,7 @@ class SchedulerSide:
 
     def _expire_leases(self) -> None:
         for rid in self.pool.expire():
+            self._expired += 1
             with self._acks_lock:
                 self._acks.pop(rid, None)
             logger.warning("QAICConnector: staging lease of request %s expired", rid)
@@ -432,6 +434,9 @@ class SchedulerSide:
         stats = QAICConnectorStats()
         stats.set("staging_pages_in_use", self.pool.pages_in_use)
         stats.set("staging_pages_total", self.pool.num_pages)
+        stats.add("lease_expiries", self._expired)
+        stats.add("handshakes", self.peers.take_handshakes())
+        self._expired = 0
         return stats
 
     def shutdown(self) -> None:

@@ -1,4 +1,4 @@
-"""Transfer counters, reported through vLLM's KV-connector stats."""
+"""Transfer counters, gauges and timings, reported through vLLM's KV-connector stats."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ COUNTERS = {
     "saved_requests": "Requests whose KV was staged for a decode engine",
     "saved_tokens": "Tokens whose KV was staged for a decode engine",
     "bytes_copied": "KV bytes copied by the connector (staging writes and loads)",
+    "read_descriptors": "Transport reads (NIXL descriptors) by loads, ticket headers included",
+    "lease_expiries": "Staged requests whose lease ran out before every decode read them (prefill)",
+    "handshakes": "Handshakes completed with peer engines",
 }
 
 # Counted per prefill engine the KV came from: ``loaded_requests_from:<engine_id>``.
@@ -30,12 +33,21 @@ GAUGES = {
 }
 
 
+# One sample per request; exported as Prometheus histograms ``vllm:qaic_kv_<name>``.
+HISTOGRAMS = {
+    "load_seconds": "Time from a load's start to its KV in the decode's blocks",
+    "save_seconds": "Time to copy a finished prompt's KV into staging (prefill)",
+}
+SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+
+
 @dataclass
 class QAICConnectorStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=dict)
 
     def add(self, name: str, value: int = 1) -> None:
-        self.data[name] = self.data.get(name, 0) + value
+        if value:  # a zero would make the stats non-empty for nothing
+            self.data[name] = self.data.get(name, 0) + value
 
     def reset(self) -> None:
         self.data = {}
@@ -43,16 +55,29 @@ class QAICConnectorStats(KVConnectorStats):
     def set(self, name: str, value: int) -> None:
         self.data[name] = value
 
+    def sample(self, name: str, value: float) -> None:
+        self.data.setdefault(name, []).append(value)
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key, value in other.data.items():
             if key in GAUGES:
                 self.set(key, value)
+            elif key in HISTOGRAMS:
+                self.data.setdefault(key, []).extend(value)
             else:
                 self.add(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """For vLLM's log line: counters as they are, timings as count and mean ms."""
+        out: dict[str, int | float] = {}
+        for key, value in self.data.items():
+            if key in HISTOGRAMS:
+                out[f"{key}_count"] = len(value)
+                out[f"{key}_mean_ms"] = round(1000 * sum(value) / max(len(value), 1), 3)
+            else:
+                out[key] = value
+        return out
 
     def is_empty(self) -> bool:
         return not self.data
@@ -82,6 +107,17 @@ class QAICPromMetrics(KVConnectorPromMetrics):
             self._gauges[name] = {
                 idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
             }
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for name, doc in HISTOGRAMS.items():
+            histogram = self._histogram_cls(  # type: ignore[call-arg]
+                name=f"vllm:qaic_kv_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                buckets=SECONDS_BUCKETS,
+            )
+            self._histograms[name] = {
+                idx: histogram.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
         self._per_peer: Any = self._counter_cls(
             name="vllm:qaic_kv_loaded_requests_by_peer",
             documentation=PER_PEER_DOC,
@@ -96,5 +132,8 @@ class QAICPromMetrics(KVConnectorPromMetrics):
                 self._per_peer.labels(*self._labelvalues[engine_idx], peer).inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+            elif name in self._histograms:
+                for seconds in value:
+                    self._histograms[name][engine_idx].observe(seconds)
             elif name in self._counters and value:
                 self._counters[name][engine_idx].inc(value)

@@ -82,6 +82,8 @@ class LoadResult:
     tokens: int
     bytes_copied: int
     source_engine: str
+    seconds: float = 0.0  # from the load's start to its KV in our blocks
+    reads: int = 0  # transport reads (NIXL descriptors), ticket headers included
 
 
 def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
@@ -254,7 +256,7 @@ class WorkerSide:
         start = spec.staging_offset
         end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
-        written = 0
+        written, t0 = 0, time.monotonic()
         with self._headers.writing(start, end, spec.generation) as region:
             views = fmt.layer_views(region, spec.num_tokens)
             for src, dst in zip(self.layers, views, strict=True):
@@ -263,6 +265,7 @@ class WorkerSide:
             self._stats.add("saved_requests")
             self._stats.add("saved_tokens", spec.num_tokens)
             self._stats.add("bytes_copied", written)
+            self._stats.sample("save_seconds", time.monotonic() - t0)
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -319,7 +322,7 @@ class WorkerSide:
             raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
         total = self.identity.total_kv_heads
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
-        copied = 0
+        copied, reads, t0 = 0, 0, time.monotonic()
         # Each source rank staged its own head shard; read only the heads this rank holds.
         for source in head_sources(total, len(ranks), self.tp_size, self.tp_rank):
             src_rank = ranks[source.src_rank]
@@ -364,11 +367,13 @@ class WorkerSide:
                 if self.cfg.debug_corrupt_loaded_kv:
                     for dst in self.layers:
                         self._corrupt(dst, spec)
+            reads += 2  # the region with its header, then the header again
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
-            spec.request_id, frozenset(), self._num_load_tokens(spec), copied, ranks[0].engine_id
-        )
+            spec.request_id, frozenset(), self._num_load_tokens(spec), copied,
+            ranks[0].engine_id, time.monotonic() - t0, reads,
+        )  # fmt: skip
 
     def _corrupt(self, dst: Views, spec: LoadSpec) -> None:
         """Negative control: zero what was just loaded, so accuracy must collapse."""
@@ -414,6 +419,8 @@ class WorkerSide:
                     self._stats.add(PER_PEER_PREFIX + result.source_engine)
                     self._stats.add("loaded_tokens", result.tokens)
                     self._stats.add("bytes_copied", result.bytes_copied)
+                    self._stats.add("read_descriptors", result.reads)
+                    self._stats.sample("load_seconds", result.seconds)
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -422,6 +429,7 @@ class WorkerSide:
 
     def get_stats(self) -> QAICConnectorStats | None:
         with self._stats_lock:
+            self._stats.add("handshakes", self.peers.take_handshakes())
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, QAICConnectorStats()

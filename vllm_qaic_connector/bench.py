@@ -1,0 +1,330 @@
+"""KV handoff throughput of the connector's own code paths, each next to memcpy of its bytes.
+
+    .venv/bin/python -m vllm_qaic_connector.bench --quick --json rows.json --plot rows.png
+
+A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's KV cache to
+a decode's as the worker does: save (`copy_tokens` into staging under a ticket header), then
+load (`checked_read` through a second transport and `copy_tokens` into shuffled blocks, or
+into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). `PATHS`
+gives each path's prefill, staged and decode format (layout, block size; 0: one QAIC slot).
+Both NIXL agents live in this process; their bytes still go through UCX.
+
+Each (path, tokens) runs once untimed first, and the decode's tokens must equal the
+prefill's byte for byte (else MISMATCH and exit status 1). A row keeps the best of --repeats
+handoffs; its ratio is to the best of 3 np.copyto of its bytes between two pre-faulted arrays
+(one thread) right after it. A row needs ~4x a request's bytes (32k default tokens: 16 GiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack, closing
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+
+from vllm_qaic_connector.layout import (
+    KVGeometry,
+    StagingFormat,
+    blocks_for_tokens,
+    copy_tokens,
+    get_layout,
+)
+from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, checked_read, new_incarnation
+from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
+
+KV = tuple[torch.Tensor, torch.Tensor]
+Cache = tuple[list[KV], list[int]]  # canonical views of each layer, the request's block ids
+Row = dict[str, Any]
+Fmt = tuple[str, int]  # layout kind, block size (0: all the tokens in one block, a QAIC slot)
+HND16, NHD64, CPU128, SLOT = ("cuda_hnd", 16), ("cuda_nhd", 64), ("vllm_cpu", 128), ("qaic_slot", 0)
+GENERATION = 0x5EED_0001  # the staged request's ticket
+QUICK_TOKENS, DEFAULT_TOKENS = [512, 1024, 2048], [1024, 2048, 4096, 8192, 16384, 32768]
+
+
+@dataclass(frozen=True)
+class Path:
+    label: str
+    transport: str
+    prefill: Fmt
+    staged: Fmt
+    decode: Fmt
+    pull: bool = False  # NIXL READs straight into the decode's QAIC slot
+
+
+PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefill's
+    "shm": Path("shm same layout", "shm", HND16, HND16, HND16),
+    "shm-reblock": Path("shm re-block+permute", "shm", NHD64, HND16, HND16),
+    "shm-cpu-slot": Path("shm vllm_cpu→qaic slot", "shm", CPU128, CPU128, SLOT),
+    "nixl": Path("nixl same layout", "nixl", HND16, HND16, HND16),
+    "nixl-staged": Path("nixl staged", "nixl", NHD64, NHD64, HND16),
+    "slot-write": Path("qaic slot write", "shm", CPU128, SLOT, SLOT),
+    "nixl-slot": Path("nixl→qaic slot", "nixl", CPU128, SLOT, SLOT, pull=True),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def geo(self, fmt: Fmt, tokens: int) -> KVGeometry:
+        return KVGeometry(self.heads, self.head_dim, fmt[1] or tokens, self.dtype)
+
+    def nbytes(self, tokens: int) -> int:
+        return 2 * self.layers * self.heads * self.head_dim * self.dtype.itemsize * tokens
+
+
+class Mismatch(Exception):
+    """The decode's tokens are not the prefill's."""
+
+
+@dataclass
+class Case:
+    """One path set up for one token count: ``save`` then ``load`` is one handoff."""
+
+    save: Callable[[], object]
+    load: Callable[[], object]
+    src: list[KV]
+    src_blocks: list[int]
+    dst: list[KV]
+    dst_blocks: list[int]
+
+
+def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -> Cache:
+    """(views, shuffled block ids) of a cache of exactly ``n`` tokens' blocks; ``fill``:
+    random bytes, each layer different."""
+    geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
+    nb = blocks_for_tokens(n, geo.block_size)
+    layers = [layout.allocate(nb, geo) for _ in range(shape.layers)]
+    if fill:
+        size = layers[0].numel() * geo.dtype.itemsize
+        pool = torch.randint(0, 256, (size + shape.layers,), dtype=torch.uint8, generator=gen)
+        for i, t in enumerate(layers):
+            t.view(-1).view(torch.uint8).copy_(pool[i : i + size])
+    return [layout.kv_views(t, geo) for t in layers], torch.randperm(nb, generator=gen).tolist()
+
+
+def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
+    """The prefill's transport and the decode's, each with staging (and NIXL receive arena)
+    of ``nbytes`` rounded up to a page, as `WorkerSide` makes them."""
+    size, engine = -(-nbytes // 4096) * 4096, f"bench{os.getpid()}"
+    names = [staging_name(engine, rank, new_incarnation()) for rank in (0, 1)]
+    return [stack.enter_context(closing(create_transport(kind, n, size, 60.0))) for n in names]
+
+
+def slot_target(shape: Shape, n: int, stack: ExitStack) -> SlotTarget:
+    """A QAIC decode's KV buffers in shm: two slots of ``n`` tokens."""
+    dims, dtype = (2, shape.heads, n, shape.head_dim), str(shape.dtype).removeprefix("torch.")
+    names = [f"past_{kv}.{i}_RetainedState" for i in range(shape.layers) for kv in ("key", "value")]
+    manifest = Manifest([[BufferSpec(name, dims, dtype) for name in names]])
+    prefix = f"qaic_kv_bench{os.getpid()}_{new_incarnation()}"
+    return stack.enter_context(SlotTarget(manifest, prefix, None))
+
+
+def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
+    """Sets ``path`` up for ``n`` tokens; ``stack`` closes everything it opened."""
+    gen = torch.Generator().manual_seed(n)
+    src, src_blocks = kv_cache(shape, path.prefill, n, gen, fill=True)
+    fmt = StagingFormat(path.staged[0], shape.geo(path.staged, n), shape.layers)
+    nbytes = HEADER_BYTES + fmt.request_bytes(n)
+    owner, reader = transports(path.transport, nbytes, stack)
+    peer, headers = owner.endpoint(), RegionHeaders(owner.staging)
+    staged_blocks = list(range(blocks_for_tokens(n, fmt.geometry.block_size)))
+    notify = b"ack" if reader.delivers_notifications else None
+
+    def save() -> None:
+        owner.poll_notifications()  # the prefill takes the decode's acknowledgements
+        with headers.writing(0, nbytes, GENERATION) as region:
+            for s, d in zip(src, fmt.layer_views(region, n), strict=True):
+                copy_tokens(s, src_blocks, d, staged_blocks, 0, n)
+
+    if path.decode == SLOT:
+        target = slot_target(shape, n, stack)
+        slot = [target.allocate_slot() for _ in range(2)][1]
+        dst, dst_blocks = [target.kv(i) for i in range(shape.layers)], [slot]
+
+        def write(views: list[KV]) -> None:
+            target.write_slot_from_blocks(slot, views, staged_blocks, n)
+
+        if path.pull:
+            from vllm_qaic_connector.qaic_slot_pull import SlotPuller
+
+            puller = SlotPuller(target, reader)  # type: ignore[arg-type]  # a NixlTransport
+            stack.callback(puller.close)
+            pull = lambda: puller.pull(slot, peer, 0, fmt.geometry, n, GENERATION, notify)  # noqa: E731
+            return Case(save, pull, src, src_blocks, dst, dst_blocks)
+    else:
+        dst, dst_blocks = kv_cache(shape, path.decode, n, gen, fill=False)
+
+        def write(views: list[KV]) -> None:
+            for s, d in zip(views, dst, strict=True):
+                copy_tokens(s, staged_blocks, d, dst_blocks, 0, n)
+
+    def load() -> None:
+        with checked_read(reader, peer, 0, fmt.request_bytes(n), GENERATION, notify) as region:
+            write(fmt.layer_views(region, n))
+
+    return Case(save, load, src, src_blocks, dst, dst_blocks)
+
+
+def tokens_of(view: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
+    """Reference gather, no copy plan: the bytes of tokens ``[0, n)`` of a canonical view
+    ``[blocks, heads, block_tokens, head_dim]`` held in ``blocks``, as ``[heads, n, ...]``."""
+    picked = view[torch.tensor(blocks, dtype=torch.long)].transpose(0, 1)
+    return picked.reshape(view.shape[1], -1, view.shape[3])[:, :n].contiguous().view(torch.uint8)
+
+
+def mismatches(case: Case, n: int) -> list[str]:
+    return [
+        f"layer {layer} {name}"
+        for layer, (src, dst) in enumerate(zip(case.src, case.dst, strict=True))
+        for name, s, d in zip("KV", src, dst, strict=True)
+        if not torch.equal(tokens_of(s, case.src_blocks, n), tokens_of(d, case.dst_blocks, n))
+    ]
+
+
+def seconds(step: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def measure(path: Path, shape: Shape, n: int, repeats: int, corrupt: bool) -> Row:
+    """One row, or Mismatch. Every shm segment and NIXL registration is gone before the
+    memcpy runs, and when this raises (Ctrl-C included)."""
+    with ExitStack() as stack:
+        case = build(path, shape, n, stack)
+        case.save()  # untimed: checked, and every page faulted in
+        case.load()
+        if corrupt:  # negative control: one flipped bit must fail the run
+            case.dst[-1][1][case.dst_blocks[0], 0, 0].view(torch.uint8)[:1].bitwise_xor_(1)
+        if bad := mismatches(case, n):
+            raise Mismatch(f"{len(bad)} of {2 * shape.layers} planes differ: {bad[:4]}")
+        timed = [(seconds(case.save), seconds(case.load)) for _ in range(repeats)]
+        del case  # the memcpy's arrays replace the path's buffers
+    (save_s, load_s), nbytes = min(timed, key=sum), shape.nbytes(n)
+    gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / memcpy_seconds(nbytes, 3) / 1e9
+    return {
+        "path": path.label, "tokens": n, "bytes": nbytes, "seconds": save_s + load_s,
+        "gbps": gbps, "ratio_to_memcpy": gbps / memcpy_gbps, "memcpy_gbps": memcpy_gbps,
+        "save_gbps": nbytes / save_s / 1e9, "load_gbps": nbytes / load_s / 1e9,
+    }  # fmt: skip
+
+
+def memcpy_seconds(nbytes: int, repeats: int) -> float:
+    """Best np.copyto of ``nbytes`` between two faulted-in arrays (one thread)."""
+    src, dst = np.full(nbytes, 7, dtype=np.uint8), np.full(nbytes, 0, dtype=np.uint8)
+    return min(seconds(lambda: np.copyto(dst, src)) for _ in range(repeats))
+
+
+def show(r: Row) -> None:
+    print(f"{r['path']:<24}{r['tokens']:>7}{r['bytes'] / 2**20:>8.1f}{r['save_gbps']:>10.2f}"
+          f"{r['load_gbps']:>10.2f}{r['gbps']:>8.2f}{r['memcpy_gbps']:>8.2f}"
+          f"{r['ratio_to_memcpy']:>7.3f}", flush=True)  # fmt: skip
+
+
+def by_path(rows: list[Row]) -> dict[str, list[Row]]:
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r["path"], []).append(r)
+    return groups
+
+
+def plot(rows: list[Row], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, mine in by_path(rows).items():
+        ax.plot([r["tokens"] for r in mine], [r["gbps"] for r in mine], marker="o", label=label)
+    ax.set(xscale="log", xlabel="tokens", ylabel="GB/s (save + load)", title="KV handoff")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)  # unwinds: segments and registrations are freed
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 2 repeats")
+    p.add_argument("--tokens", type=int, nargs="+", help=f"default {DEFAULT_TOKENS}")
+    p.add_argument("--repeats", type=int, help="timed handoffs per row, best kept (default 5)")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    p.add_argument("--json", help="write the rows to this file")
+    p.add_argument("--plot", help="draw GB/s against tokens into this PNG (needs matplotlib)")
+    p.add_argument("--corrupt", action="store_true", help="negative control: must exit 1")
+    args = p.parse_args(argv)
+    args.tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    if min(args.tokens + [args.repeats, args.layers, args.kv_heads, args.head_dim]) < 1:
+        p.error("tokens, repeats, layers, kv-heads and head-dim must be >= 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would split the table
+    paths = [PATHS[k] for k in args.paths]
+    if importlib.util.find_spec("nixl") is None and any(p.transport == "nixl" for p in paths):
+        print("nixl is not installed: skipping the NIXL paths", file=sys.stderr)
+        paths = [p for p in paths if p.transport != "nixl"]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    print(f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} {args.dtype}, "
+          f"best of {args.repeats}, torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"{'path':<24}{'tokens':>7}{'MiB':>8}{'save GB/s':>10}{'load GB/s':>10}{'GB/s':>8}"
+          f"{'memcpy':>8}{'ratio':>7}", flush=True)  # fmt: skip
+    rows: list[Row] = []
+    failed = status = 0
+    try:
+        for n, path in ((n, path) for n in args.tokens for path in paths):
+            try:
+                rows.append(measure(path, shape, n, args.repeats, args.corrupt))
+                show(rows[-1])
+            except Mismatch as exc:
+                print(f"MISMATCH {path.label} at {n} tokens: {exc}", file=sys.stderr, flush=True)
+                failed += 1
+    except KeyboardInterrupt:
+        print("interrupted: the rows so far follow", file=sys.stderr)
+        status = 130
+    for label, mine in by_path(rows).items():
+        top = max(mine, key=lambda r: r["tokens"])
+        print(f"summary: {label}: {top['ratio_to_memcpy']:.3f}x memcpy at {top['tokens']} tokens")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.plot and rows:
+        plot(rows, args.plot)
+    return status or (1 if failed else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
