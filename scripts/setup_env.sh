@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.qaic-setup-v1"
+STAMP="$VENV/.qaic-setup-v2"  # v2: matplotlib (bench plots)
 # The cross-host NIXL test builds network namespaces with iproute2's `ip`.
 if ! command -v ip >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"

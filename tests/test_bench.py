@@ -105,7 +105,8 @@ def test_the_reference_gather_is_layout_gather_tokens(kind: str) -> None:
         assert torch.equal(bench.tokens_of(view, blocks, 50), want.contiguous().view(torch.uint8))
 
 
-def test_ctrl_c_frees_every_segment() -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_frees_every_segment(signum: int) -> None:
     proc = start("--tokens", *["3000"] * 40, "--paths", "shm", "slot-write", "--repeats", "1")
     try:
         assert proc.stdout is not None
@@ -115,10 +116,10 @@ def test_ctrl_c_frees_every_segment() -> None:
         while not leftovers(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert leftovers(proc.pid), "no segment seen while the bench runs"
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         rc, _, err = finish(proc, timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert rc == 130 and "interrupted" in err
+    assert rc == 128 + signum and "interrupted" in err

@@ -5,14 +5,14 @@
 A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's KV cache to
 a decode's as the worker does: save (`copy_tokens` into staging under a ticket header), then
 load (`checked_read` through a second transport and `copy_tokens` into shuffled blocks, or
-into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). `PATHS`
-gives each path's prefill, staged and decode format (layout, block size; 0: one QAIC slot).
-Both NIXL agents live in this process; their bytes still go through UCX.
+into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
+NIXL agents live in this process; their bytes still go through UCX.
 
 Each (path, tokens) runs once untimed first, and the decode's tokens must equal the
 prefill's byte for byte (else MISMATCH and exit status 1). A row keeps the best of --repeats
-handoffs; its ratio is to the best of 3 np.copyto of its bytes between two pre-faulted arrays
+handoffs; its ratio is to the best of 5 np.copyto of its bytes between two pre-faulted arrays
 (one thread) right after it. A row needs ~4x a request's bytes (32k default tokens: 16 GiB).
+Ctrl-C or SIGTERM stops the run after its current step; the rows so far are still written.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, closing
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ from vllm_qaic_connector.layout import (
     copy_tokens,
     get_layout,
 )
+from vllm_qaic_connector.qaic_slot_pull import SlotPuller
 from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, checked_read, new_incarnation
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
@@ -52,8 +52,7 @@ GENERATION = 0x5EED_0001  # the staged request's ticket
 QUICK_TOKENS, DEFAULT_TOKENS = [512, 1024, 2048], [1024, 2048, 4096, 8192, 16384, 32768]
 
 
-@dataclass(frozen=True)
-class Path:
+class Path(NamedTuple):
     label: str
     transport: str
     prefill: Fmt
@@ -73,8 +72,7 @@ PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefi
 }
 
 
-@dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
     layers: int
     heads: int
     head_dim: int
@@ -91,16 +89,13 @@ class Mismatch(Exception):
     """The decode's tokens are not the prefill's."""
 
 
-@dataclass
-class Case:
+class Case(NamedTuple):
     """One path set up for one token count: ``save`` then ``load`` is one handoff."""
 
     save: Callable[[], object]
     load: Callable[[], object]
-    src: list[KV]
-    src_blocks: list[int]
-    dst: list[KV]
-    dst_blocks: list[int]
+    src: Cache  # the prefill's KV cache
+    dst: Cache  # the decode's KV cache, or its QAIC KV buffers and [slot]
 
 
 def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -> Cache:
@@ -118,8 +113,8 @@ def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -
 
 
 def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
-    """The prefill's transport and the decode's, each with staging (and NIXL receive arena)
-    of ``nbytes`` rounded up to a page, as `WorkerSide` makes them."""
+    """The prefill's transport and the decode's, as `WorkerSide` makes them (staging and
+    NIXL receive arena: ``nbytes`` rounded up to a page)."""
     size, engine = -(-nbytes // 4096) * 4096, f"bench{os.getpid()}"
     names = [staging_name(engine, rank, new_incarnation()) for rank in (0, 1)]
     return [stack.enter_context(closing(create_transport(kind, n, size, 60.0))) for n in names]
@@ -160,12 +155,10 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             target.write_slot_from_blocks(slot, views, staged_blocks, n)
 
         if path.pull:
-            from vllm_qaic_connector.qaic_slot_pull import SlotPuller
-
             puller = SlotPuller(target, reader)  # type: ignore[arg-type]  # a NixlTransport
             stack.callback(puller.close)
             pull = lambda: puller.pull(slot, peer, 0, fmt.geometry, n, GENERATION, notify)  # noqa: E731
-            return Case(save, pull, src, src_blocks, dst, dst_blocks)
+            return Case(save, pull, (src, src_blocks), (dst, dst_blocks))
     else:
         dst, dst_blocks = kv_cache(shape, path.decode, n, gen, fill=False)
 
@@ -177,7 +170,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         with checked_read(reader, peer, 0, fmt.request_bytes(n), GENERATION, notify) as region:
             write(fmt.layer_views(region, n))
 
-    return Case(save, load, src, src_blocks, dst, dst_blocks)
+    return Case(save, load, (src, src_blocks), (dst, dst_blocks))
 
 
 def tokens_of(view: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
@@ -187,16 +180,28 @@ def tokens_of(view: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
     return picked.reshape(view.shape[1], -1, view.shape[3])[:, :n].contiguous().view(torch.uint8)
 
 
-def mismatches(case: Case, n: int) -> list[str]:
+def mismatches(src: Cache, dst: Cache, n: int) -> list[str]:
     return [
         f"layer {layer} {name}"
-        for layer, (src, dst) in enumerate(zip(case.src, case.dst, strict=True))
-        for name, s, d in zip("KV", src, dst, strict=True)
-        if not torch.equal(tokens_of(s, case.src_blocks, n), tokens_of(d, case.dst_blocks, n))
+        for layer, (s_kv, d_kv) in enumerate(zip(src[0], dst[0], strict=True))
+        for name, s, d in zip("KV", s_kv, d_kv, strict=True)
+        if not torch.equal(tokens_of(s, src[1], n), tokens_of(d, dst[1], n))
     ]
 
 
+STOP: list[int] = []  # signals received: acted on between steps, so cleanup always runs
+
+
+def on_signal(signum: int, frame: object) -> None:
+    if STOP:  # a second Ctrl-C: now, at any point (may leave a half-made segment behind)
+        raise KeyboardInterrupt
+    STOP.append(signum)
+    print("stopping after this step (again: at once)", file=sys.stderr, flush=True)
+
+
 def seconds(step: Callable[[], object]) -> float:
+    if STOP:
+        raise KeyboardInterrupt
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
@@ -210,13 +215,13 @@ def measure(path: Path, shape: Shape, n: int, repeats: int, corrupt: bool) -> Ro
         case.save()  # untimed: checked, and every page faulted in
         case.load()
         if corrupt:  # negative control: one flipped bit must fail the run
-            case.dst[-1][1][case.dst_blocks[0], 0, 0].view(torch.uint8)[:1].bitwise_xor_(1)
-        if bad := mismatches(case, n):
+            case.dst[0][-1][1][case.dst[1][0], 0, 0].view(torch.uint8)[:1].bitwise_xor_(1)
+        if bad := mismatches(case.src, case.dst, n):
             raise Mismatch(f"{len(bad)} of {2 * shape.layers} planes differ: {bad[:4]}")
         timed = [(seconds(case.save), seconds(case.load)) for _ in range(repeats)]
         del case  # the memcpy's arrays replace the path's buffers
     (save_s, load_s), nbytes = min(timed, key=sum), shape.nbytes(n)
-    gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / memcpy_seconds(nbytes, 3) / 1e9
+    gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / memcpy_seconds(nbytes, 5) / 1e9
     return {
         "path": path.label, "tokens": n, "bytes": nbytes, "seconds": save_s + load_s,
         "gbps": gbps, "ratio_to_memcpy": gbps / memcpy_gbps, "memcpy_gbps": memcpy_gbps,
@@ -252,23 +257,31 @@ def plot(rows: list[Row], out: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, mine in by_path(rows).items():
         ax.plot([r["tokens"] for r in mine], [r["gbps"] for r in mine], marker="o", label=label)
+    ticks = sorted({r["tokens"] for r in rows})
     ax.set(xscale="log", xlabel="tokens", ylabel="GB/s (save + load)", title="KV handoff")
-    ax.grid(True, alpha=0.3)
+    ax.set(ylim=(0, None), xticks=ticks, xticklabels=[str(t) for t in ticks])
+    ax.minorticks_off()
     ax.legend(fontsize="small")
     fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
-    raise SystemExit(128 + signum)  # unwinds: segments and registrations are freed
-
-
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    epilog = "paths: prefill -> staged -> decode format (layout, block; n: all tokens)" + "".join(
+        f"\n  {k:<13} {p.label}: " + " -> ".join(f"{f[0]} {f[1] or 'n'}" for f in p[2:5])
+        for k, p in PATHS.items()
+    )
+    p = argparse.ArgumentParser(
+        "python -m vllm_qaic_connector.bench", description=__doc__, epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 2 repeats")
     p.add_argument("--tokens", type=int, nargs="+", help=f"default {DEFAULT_TOKENS}")
     p.add_argument("--repeats", type=int, help="timed handoffs per row, best kept (default 5)")
-    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    nixl = importlib.util.find_spec("nixl") is not None
+    usable = [k for k, v in PATHS.items() if nixl or v.transport == "shm"]
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=usable, metavar="PATH",
+                   help="default: all (those over NIXL if nixl is installed)")  # fmt: skip
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -291,13 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would split the table
     paths = [PATHS[k] for k in args.paths]
-    if importlib.util.find_spec("nixl") is None and any(p.transport == "nixl" for p in paths):
-        print("nixl is not installed: skipping the NIXL paths", file=sys.stderr)
-        paths = [p for p in paths if p.transport != "nixl"]
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = Shape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
     print(f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} {args.dtype}, "
           f"best of {args.repeats}, torch threads {torch.get_num_threads()}")  # fmt: skip
     print(f"{'path':<24}{'tokens':>7}{'MiB':>8}{'save GB/s':>10}{'load GB/s':>10}{'GB/s':>8}"
@@ -314,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 failed += 1
     except KeyboardInterrupt:
         print("interrupted: the rows so far follow", file=sys.stderr)
-        status = 130
+        status = 128 + (STOP or [signal.SIGINT])[0]
     for label, mine in by_path(rows).items():
         top = max(mine, key=lambda r: r["tokens"])
         print(f"summary: {label}: {top['ratio_to_memcpy']:.3f}x memcpy at {top['tokens']} tokens")
