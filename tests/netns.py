@@ -6,6 +6,8 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +37,23 @@ class VethLink:
     def tcp_env(self, side: str) -> dict[str, str]:
         """UCX over TCP only, on this side's veth device."""
         return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.dev_a if side == "a" else self.dev_b}
+
+    def run_result(self, side: str, argv: list[str], timeout: float) -> tuple[dict, str, int]:
+        """Runs ``python argv...`` in one namespace (UCX over TCP); returns the JSON of its
+        last ``RESULT`` line, its whole output (also printed) and its exit status."""
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [*self.exec_in(side), sys.executable, *argv],
+            env={**os.environ, **self.tcp_env(side)},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        out = done.stdout + done.stderr
+        print(f"--- {argv[0]} output ({time.monotonic() - t0:.1f}s):\n{out}")
+        lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert lines, out
+        return json.loads(lines[-1].removeprefix("RESULT ")), out, done.returncode
 
 
 @contextmanager

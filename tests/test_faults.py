@@ -66,6 +66,7 @@ SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
 READS = "vllm:qaic_kv_read_descriptors_total"
 HANDSHAKES = "vllm:qaic_kv_handshakes_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
+WAITING = "vllm:num_requests_waiting"
 
 
 def say(case: str, **fields: object) -> None:
@@ -528,7 +529,11 @@ class TestShm:
             params = {**stage(c.prefill.url, px), "remote_port": hole.port}
             with ThreadPoolExecutor(1) as pool:
                 pending = pool.submit(ask, c.decode_fail.url, px, ax, params, 60.0)
-                time.sleep(2.0)
+                # Until the engine holds the request (its load waits on the silent peer): a
+                # SIGTERM before that hits vLLM's API server mid-admission, where the
+                # request's handler outlives the dead engine until the client gives up.
+                poll_until(lambda: c.decode_fail.metric(WAITING, 0.0) >= 1, 20, 0.1)
+                time.sleep(0.5)
                 waiting = not pending.done()
                 c.decode_fail.kill(signal.SIGTERM, group=False)  # as a supervisor would
                 t0 = time.monotonic()
@@ -547,6 +552,7 @@ class TestShm:
             segments_left=sorted(left),
         )
         assert answer.verdict != "wrong", answer.brief()
+        assert waiting, "the load was over before the SIGTERM: the case missed its point"
         assert gone, f"the decode did not exit within {SIGTERM_EXIT_MAX_S}s of SIGTERM"
         assert not left, (
             f"the decode left its segments: {left} (the SIGTERM went to the API server only, "

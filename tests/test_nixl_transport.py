@@ -217,25 +217,14 @@ def test_across_network_namespaces_over_a_veth_link():
     with veth_link(f"qv{PID}", "10.77.0") as link:
         try:
             rx_before = rx_bytes(link.ns_b, link.dev_b)
-            name, t0 = f"qaic_owner_{PID}_netns", time.monotonic()
+            name = f"qaic_owner_{PID}_netns"
             owner, endpoint = start_owner(name, link.tcp_env("a"), prefix=link.exec_in("a"))
-            reader = subprocess.run(
-                [*link.exec_in("b"), sys.executable, str(PEER), "reader"]
-                + [encode(endpoint), "--name", f"qaic_reader_{PID}_netns"],
-                env={**os.environ, **link.tcp_env("b")},
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            out = reader.stdout + reader.stderr
-            print(f"--- reader output ({time.monotonic() - t0:.1f}s after start):\n{out}")
-            lines = [ln for ln in reader.stdout.splitlines() if ln.startswith("RESULT ")]
-            assert lines, out
-            result = json.loads(lines[-1].removeprefix("RESULT "))
+            argv = [str(PEER), "reader", encode(endpoint), "--name", f"qaic_reader_{PID}_netns"]
+            result, out, rc = link.run_result("b", argv, timeout=60)
             assert result["mismatches"] == [] and result["notify_read_ok"], out
             assert result["bytes"] == sum(n for _, n in RANGES)
             assert result["registrations_after_close"] == 0
-            assert reader.returncode == 0, out
+            assert rc == 0, out
             # The READs really crossed the veth link into the reader's namespace.
             assert rx_bytes(link.ns_b, link.dev_b) - rx_before >= result["bytes"]
             assert b"req-1" in owner.wait_for_notification(b"req-1")

@@ -4,11 +4,8 @@ B READs it straight into its QAIC slot buffers and decodes the right answers fro
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +30,7 @@ def test_nixl_pull_into_qaic_slots_across_a_veth_link():
     tag = f"sv{PID}"
     try:
         with veth_link(f"qs{PID}", "10.78.0") as link:
-            rx_before, t0 = rx_bytes(link.ns_b, link.dev_b), time.monotonic()
+            rx_before = rx_bytes(link.ns_b, link.dev_b)
             prefill = Peer(
                 [*link.exec_in("a"), sys.executable, str(PEER), "prefill"]
                 + ["--tag", tag, "--prompts", str(PROMPTS)],
@@ -41,19 +38,8 @@ def test_nixl_pull_into_qaic_slots_across_a_veth_link():
             )
             try:
                 staged = prefill.expect("STAGED", timeout=120)
-                decode = subprocess.run(
-                    [*link.exec_in("b"), sys.executable, str(PEER), "decode", staged]
-                    + ["--tag", tag],
-                    env={**os.environ, **link.tcp_env("b")},
-                    capture_output=True,
-                    text=True,
-                    timeout=180,
-                )
-                out = decode.stdout + decode.stderr
-                print(f"--- decode output ({time.monotonic() - t0:.1f}s after start):\n{out}")
-                lines = [ln for ln in decode.stdout.splitlines() if ln.startswith("RESULT ")]
-                assert lines, out
-                result = json.loads(lines[-1].removeprefix("RESULT "))
+                argv = [str(PEER), "decode", staged, "--tag", tag]
+                result, out, rc = link.run_result("b", argv, timeout=180)
                 prompts = result["prompts"]
                 assert len(prompts) == PROMPTS
                 assert len({p["slot"] for p in prompts}) == PROMPTS  # each in its own slot
@@ -66,7 +52,7 @@ def test_nixl_pull_into_qaic_slots_across_a_veth_link():
                 assert result["sentinel_intact"] and len(result["untouched_slots"]) >= 2
                 assert result["registrations"] == 2 + 2 * L  # staging, arena, K+V per layer
                 assert result["registrations_after_close"] == 0
-                assert decode.returncode == 0, out
+                assert rc == 0, out
                 # The READs really crossed the veth link into the decode's namespace.
                 assert rx_bytes(link.ns_b, link.dev_b) - rx_before >= result["bytes"]
                 assert prefill.close() == "0 0"

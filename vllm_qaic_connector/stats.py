@@ -88,36 +88,20 @@ class QAICPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters: dict[str, dict[int, Any]] = {}
-        for name, doc in COUNTERS.items():
-            counter = self._counter_cls(
-                name=f"vllm:qaic_kv_{name}", documentation=doc, labelnames=labelnames
-            )
-            self._counters[name] = {
-                idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
-        self._gauges: dict[str, dict[int, Any]] = {}
-        for name, doc in GAUGES.items():
-            gauge = self._gauge_cls(  # type: ignore[call-arg]
-                name=f"vllm:qaic_kv_{name}",
-                documentation=doc,
-                labelnames=labelnames,
-                multiprocess_mode="mostrecent",
-            )
-            self._gauges[name] = {
-                idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
-        self._histograms: dict[str, dict[int, Any]] = {}
-        for name, doc in HISTOGRAMS.items():
-            histogram = self._histogram_cls(  # type: ignore[call-arg]
-                name=f"vllm:qaic_kv_{name}",
-                documentation=doc,
-                labelnames=labelnames,
-                buckets=SECONDS_BUCKETS,
-            )
-            self._histograms[name] = {
-                idx: histogram.labels(*values) for idx, values in per_engine_labelvalues.items()
-            }
+
+        def per_engine(cls: Any, docs: dict[str, str], **kw: Any) -> dict[str, dict[int, Any]]:
+            """One metric per name, labelled once per engine."""
+            out = {}
+            for name, doc in docs.items():
+                metric = cls(
+                    name=f"vllm:qaic_kv_{name}", documentation=doc, labelnames=labelnames, **kw
+                )
+                out[name] = {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+            return out
+
+        self._counters = per_engine(self._counter_cls, COUNTERS)
+        self._gauges = per_engine(self._gauge_cls, GAUGES, multiprocess_mode="mostrecent")
+        self._histograms = per_engine(self._histogram_cls, HISTOGRAMS, buckets=SECONDS_BUCKETS)
         self._per_peer: Any = self._counter_cls(
             name="vllm:qaic_kv_loaded_requests_by_peer",
             documentation=PER_PEER_DOC,
