@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -155,7 +156,7 @@ async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-class Backend:
+class Backend(ABC):
     """A small aiohttp server on a real port; records what each completion request sent."""
 
     model = "backend"
@@ -182,8 +183,9 @@ class Backend:
         self.requests.append((request.path, body))
         return await self.complete(request, body)
 
+    @abstractmethod
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        raise NotImplementedError
+        """This backend's answer to a completion request."""
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.model}]})

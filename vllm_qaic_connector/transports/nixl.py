@@ -129,15 +129,8 @@ class NixlTransport(KVTransport):
             self._check_open()
             self._connect(agent, peer.agent_metadata)
             held = self._take(nbytes)
-            try:
-                local = self._agent.get_xfer_descs([(held.tensor.data_ptr(), nbytes, 0)], "DRAM")
-                remote = self._agent.get_xfer_descs([(base + offset, nbytes, 0)], "DRAM")
-                handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
-                state = self._agent.transfer(handle)
-            except self._errors as exc:
-                self._give_back(held)
-                self._drop_peer(agent)
-                raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
+            run = ByteRun(base + offset, held.tensor.data_ptr(), nbytes)
+            handle, state = self._start(agent, [run], notify, held)
         self._wait(agent, handle, state, held)  # without the lock: other threads may poll
         with self._lock:
             self._held.setdefault((peer.address, offset), []).append(held)
@@ -169,26 +162,19 @@ class NixlTransport(KVTransport):
         +nbytes)`` lands at local address ``run.dst``, which must lie in a registered
         destination. No receive buffer, no copy. Returns the bytes read."""
         agent, base = self._check_peer(peer)
-        for r in runs:
-            src = base_offset + r.src
-            if r.nbytes <= 0 or src < 0 or src + r.nbytes > peer.size:
-                raise ValueError(f"read [{src}, {src + r.nbytes}) outside segment {peer.address}")
-            if not any(a <= r.dst and r.dst + r.nbytes <= a + n for a, (n, _) in
-                       self._destinations.items()):  # fmt: skip
-                raise ValueError(f"destination {r.dst:#x}+{r.nbytes} is not registered memory")
         with self._lock:
             self._check_open()
+            starts = sorted(self._destinations)
+            for r in runs:
+                src = base_offset + r.src
+                if r.nbytes <= 0 or src < 0 or src + r.nbytes > peer.size:
+                    raise ValueError(f"read [{src}, {src + r.nbytes}) outside {peer.address}")
+                i = bisect.bisect_right(starts, r.dst) - 1  # the destination it starts in
+                if i < 0 or r.dst + r.nbytes > starts[i] + self._destinations[starts[i]][0]:
+                    raise ValueError(f"destination {r.dst:#x}+{r.nbytes} is not registered")
             self._connect(agent, peer.agent_metadata)
-            try:
-                local = self._agent.get_xfer_descs([(r.dst, r.nbytes, 0) for r in runs], "DRAM")
-                remote = self._agent.get_xfer_descs(
-                    [(base + base_offset + r.src, r.nbytes, 0) for r in runs], "DRAM"
-                )
-                handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
-                state = self._agent.transfer(handle)
-            except self._errors as exc:
-                self._drop_peer(agent)
-                raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
+            remote = [ByteRun(base + base_offset + r.src, r.dst, r.nbytes) for r in runs]
+            handle, state = self._start(agent, remote, notify)
         self._wait(agent, handle, state, None)
         return sum(r.nbytes for r in runs)
 
@@ -236,6 +222,22 @@ class NixlTransport(KVTransport):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"nixl transport {self.agent_name} is closed")
+
+    def _start(
+        self, agent: str, runs: Sequence[ByteRun], notify: bytes | None, held: _Held | None = None
+    ) -> tuple[Any, str]:
+        """Posts one READ (``run.src``: the peer's address; ``run.dst``: ours) under the lock;
+        on failure gives ``held`` back and drops the peer."""
+        try:
+            local = self._agent.get_xfer_descs([(r.dst, r.nbytes, 0) for r in runs], "DRAM")
+            remote = self._agent.get_xfer_descs([(r.src, r.nbytes, 0) for r in runs], "DRAM")
+            handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
+            return handle, self._agent.transfer(handle)
+        except self._errors as exc:
+            if held is not None:
+                self._give_back(held)
+            self._drop_peer(agent)
+            raise ConnectionError(f"NIXL read from {agent} failed: {exc}") from exc
 
     def _check_peer(self, peer: TransportEndpoint) -> tuple[str, int]:
         if peer.kind != self.kind:
