@@ -17,6 +17,7 @@ Each case prints one line starting with ``[faults]`` (shown with ``-rA`` or ``-s
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import statistics
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import requests
 
 from tests import proxy_clients
 from tests.live_servers import (
@@ -36,6 +38,7 @@ from tests.live_servers import (
     Server,
     VllmServer,
     complete,
+    completion_body,
     copy_prompts,
     count_tokens,
     free_port,
@@ -110,6 +113,23 @@ def ask(
 def no_wrong(answers: list[Answer], what: str) -> None:
     wrong = [a for a in answers if a.verdict == "wrong"]
     assert not wrong, f"{what}: {len(wrong)} wrong answers with HTTP 200, first: {wrong[0].brief()}"
+
+
+def first_token(url: str, prompt: str, answer: str) -> tuple[float, Answer]:
+    """Streams ``prompt`` from ``url``: (seconds to the first text, the whole answer)."""
+    t0, ttft, parts = time.monotonic(), float("nan"), []
+    body = {**completion_body(prompt), "stream": True}
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text") or ""
+            if text and not parts:
+                ttft = time.monotonic() - t0
+            parts.append(text)
+        status = resp.status_code
+    done = {"choices": [{"text": "".join(parts)}]}
+    return ttft, Answer(status, done, time.monotonic() - t0, outcome(status, done, answer))
 
 
 # --- the server sets ------------------------------------------------------------------------
@@ -225,10 +245,18 @@ def check_happy_path(c: Cluster) -> None:
 
 def check_stale_ticket(c: Cluster) -> None:
     """Issue row 1: a ticket whose lease expired and whose pages were reused."""
-    c.ensure(c.prefill, c.decode)
-    (pa, aa), *others = c.prompts(7, tokens=300)
-    params_a = stage(c.prefill.url, pa)
+    c.ensure(c.prefill, c.decode, c.decode_fail)
+    (pa, aa), (pz, az), *others = c.prompts(8, tokens=300)
+    params_a, params_z = stage(c.prefill.url, pa), stage(c.prefill.url, pz)
     time.sleep(LEASE_S + 1.5)
+    # Z first, while the prefill is idle: it has not stepped since the lease ran out, so
+    # Z's region still holds Z's bytes. The read must be refused all the same (the decode
+    # knows until when the lease holds), not served from a region that is no longer ours.
+    idle_failures0 = c.decode.metric(LOAD_FAILURES, 0.0)
+    idle_fail = ask(c.decode_fail.url, pz, az, params_z)
+    idle_recompute = ask(c.decode.url, pz, az, params_z)
+    time.sleep(1.0)
+    idle_failures = c.decode.metric(LOAD_FAILURES, 0.0) - idle_failures0
     reused = False
     # At least two more, until one lands on A's offset (a prefill that expires leases only
     # after allocating gives the first of them fresh pages).
@@ -244,6 +272,8 @@ def check_stale_ticket(c: Cluster) -> None:
     expiries = c.prefill.metric(EXPIRIES, 0.0)
     say(
         f"a stale ticket {c.transport}",
+        idle_prefill=f"fail:{idle_fail.verdict}/{idle_fail.status} "
+        f"recompute:{idle_recompute.verdict} load_failures={idle_failures:.0f}",
         outcome=ans.verdict,
         seconds=round(ans.seconds, 2),
         region_reused=reused,
@@ -251,6 +281,9 @@ def check_stale_ticket(c: Cluster) -> None:
         prefill_lease_expiries=expiries,
     )
     assert ans.verdict in ("correct", "error"), f"stale ticket: {ans.brief()}"
+    assert idle_fail.verdict == "error", f"expired, idle prefill: {idle_fail.brief()}"
+    assert idle_recompute.verdict == "correct", idle_recompute.brief()
+    assert idle_failures >= 1, "the expired ticket was read, not refused, on the idle prefill"
     assert reused, "A's staged region was never reused: the case did not test what it should"
     assert expiries >= 1, "A's lease expired, but the prefill's metrics do not say so"
 
@@ -466,6 +499,59 @@ class TestShm:
         assert med1 - med0 <= EXTRA_LATENCY_MAX_S, (
             f"hostile requests in flight raised good requests' median latency "
             f"from {med0:.2f}s to {med1:.2f}s"
+        )
+
+    def test_c_one_dead_peer_in_a_stream_of_good_requests(self, shm_cluster: Cluster) -> None:
+        """Done-means 5 as stated: while one request waits on a silent peer and one on an
+        unroutable address, a stream of good requests keeps its normal time to first token
+        (their spread without the bad ones), and the bad ones recompute within the bound."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        good = c.prompts(32)
+
+        def stream(batch: list[tuple[str, str]]) -> list[tuple[float, Answer]]:
+            with ThreadPoolExecutor(2) as pool:
+                return list(pool.map(lambda pa: first_token(c.proxy.url, *pa), batch))
+
+        stream(good[:2])  # warm: the proxy's and the decode's first handoff
+        alone = stream(good[2:16])
+        (pb, ab), (pu, au) = c.prompts(2)
+        hole = BlackHole()
+        silent = {**stage(c.prefill.url, pb), "remote_port": hole.port}
+        unroutable = {**stage(c.prefill.url, pu), "remote_host": "198.51.100.7"}  # TEST-NET-2
+        try:
+            with ThreadPoolExecutor(2) as pool:
+                bad = [
+                    pool.submit(ask, c.decode.url, pb, ab, silent),
+                    pool.submit(ask, c.decode.url, pu, au, unroutable),
+                ]
+                time.sleep(0.5)  # both are waiting on their peers
+                t0 = time.monotonic()
+                beside = stream(good[16:])
+                stream_s = time.monotonic() - t0
+                bad_answers = [f.result() for f in bad]
+        finally:
+            hole.close()
+        ttft0 = sorted(t for t, _ in alone)
+        ttft1 = sorted(t for t, _ in beside)
+        still_waiting = all(a.seconds > stream_s for a in bad_answers)
+        say(
+            "c one dead peer in a stream shm",
+            ttft_alone_ms=f"p50 {statistics.median(ttft0) * 1e3:.0f} "
+            f"range {ttft0[0] * 1e3:.0f}-{ttft0[-1] * 1e3:.0f}",
+            ttft_beside_ms=f"p50 {statistics.median(ttft1) * 1e3:.0f} "
+            f"range {ttft1[0] * 1e3:.0f}-{ttft1[-1] * 1e3:.0f}",
+            bad=[f"{a.verdict}/{a.seconds:.1f}s" for a in bad_answers],
+            bad_outlived_the_stream=still_waiting,
+        )
+        answers = [a for _, a in alone + beside] + bad_answers
+        no_wrong(answers, "one dead peer")
+        assert all(a.verdict == "correct" for a in answers), [a.brief() for a in answers]
+        assert still_waiting, "the bad requests were over before the stream: nothing was tested"
+        assert all(a.seconds <= HOSTILE_MAX_S for a in bad_answers), "a dead peer was not bounded"
+        assert statistics.median(ttft1) <= ttft0[-1], (
+            f"good requests' TTFT p50 {statistics.median(ttft1):.3f}s beside one dead peer is "
+            f"beyond their spread alone ({ttft0[0]:.3f}-{ttft0[-1]:.3f}s)"
         )
 
     def test_d_decode_sigkill_mid_transfer(self, shm_cluster: Cluster) -> None:
