@@ -28,3 +28,8 @@ clean:
 soak: setup
 	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport shm
 	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport nixl
+
+# Issue #13: aggregated vs this connector vs vLLM's NixlConnector, 64 prompts, concurrency 8 and 1.
+.PHONY: compare
+compare: setup
+	$(PY) benchmarks/compare_e2e.py --json compare_e2e.json --plot compare_e2e.png

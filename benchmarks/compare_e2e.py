@@ -1,0 +1,296 @@
+"""End to end, one run: aggregated vLLM, this connector (shm, NIXL, and 128 -> 32 blocks) and
+vLLM's NixlConnector (CPU host buffer), 1P1D on the shipped model, same prompts.
+
+    make compare                                   # 64 prompts, concurrency 8 and 1
+    .venv/bin/python benchmarks/compare_e2e.py --quick --json out.json --plot out.png
+
+Each setup gets its own real servers (prefill on core 0, decode on core 1, the proxy in front;
+aggregated: one server on core 0), started, warmed with two requests, measured, stopped. Per
+setup and concurrency it prints TTFT p50/p95 (first streamed text), TPOT, agreement with the
+aggregated answers, correct copies, stalls (TTFT over 5 s), the servers' CPU seconds per
+request, and ratios: TTFT p50 to aggregated and to NixlConnector's. Then prefill throughput
+with the connector (max_tokens 1, ``do_remote_decode``) against the aggregated server on the
+same prompts. Targets (issue #13) are printed as met or not; nothing is asserted on time.
+Exit status 1 if any answer of this connector disagrees with the aggregated one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.live_servers import (  # noqa: E402
+    ANSWER_TOKENS,
+    LiveRun,
+    Server,
+    copy_prompts,
+    free_port,
+    kv_config,
+    wait_all_ready,
+)
+
+STALL_S = 5.0
+SETUPS = ("aggregated", "qaic-shm", "qaic-nixl", "nixl-connector", "qaic-shm-128to32")
+
+
+@dataclass
+class Row:
+    setup: str
+    concurrency: int
+    requests: int
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    tpot_ms: float
+    agreement: float  # same text as the aggregated server's
+    correct: float  # the copy task's answer
+    stalls: int
+    cpu_s_per_request: float
+    errors: int
+
+
+@dataclass
+class Sample:
+    ttft: float
+    seconds: float
+    chunks: int
+    text: str
+    error: str = ""
+
+
+async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+    t0, ttft, parts = time.monotonic(), float("nan"), list[str]()
+    try:
+        async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            if r.status != 200:
+                return Sample(ttft, 0.0, 0, "", f"HTTP {r.status}: {(await r.text())[:200]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue
+                text = json.loads(line[6:])["choices"][0].get("text") or ""
+                if text and not parts:
+                    ttft = time.monotonic() - t0
+                parts.append(text)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Sample(ttft, 0.0, 0, "", f"{type(exc).__name__}: {exc}")
+    return Sample(ttft, time.monotonic() - t0, len(parts), "".join(parts))
+
+
+async def send_all(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[Sample]:
+    sem = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def limited(p: str) -> Sample:
+            async with sem:
+                return await one(session, url, p, max_tokens)
+
+        return await asyncio.gather(*(limited(p) for p in prompts))
+
+
+def cpu_seconds(servers: list[Server]) -> float:
+    """user + system CPU seconds of every live process of ``servers``."""
+    total = 0
+    for pid in (p for s in servers for p in s.pids()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / 100.0
+
+
+def start(setup: str, run: LiveRun) -> tuple[str, str | None, list[Server]]:
+    """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server)."""
+    if setup == "aggregated":
+        agg = run.vllm("aggregated", "0", None)
+        wait_all_ready(agg, retries=1)
+        return agg.url, None, [agg]
+    if setup == "nixl-connector":
+        kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        ports = [free_port(), free_port()]
+        p, d = (
+            run.vllm(name, core, kv, extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
+            for name, core, port in (("prefill", "0", ports[0]), ("decode", "1", ports[1]))
+        )
+        proxy = run.proxy([p.url], [d.url])
+    else:
+        transport = "nixl" if setup == "qaic-nixl" else "shm"
+        decode_block = ["--block-size", "32"] if setup.endswith("128to32") else []
+        p = run.vllm("prefill", "0", kv_config("kv_producer", run.engine_id("p"), 0, transport))
+        d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport)
+        d = run.vllm("decode", "1", d_kv, extra_args=decode_block)
+        proxy = run.proxy([p.url], [d.url], [d.side_channel])
+    wait_all_ready(p, d, proxy, retries=1)
+    return proxy.url, p.url, [p, d, proxy]
+
+
+def summarize(setup: str, conc: int, samples: list[Sample], ref: list[str] | None,
+              answers: list[str], cpu_s: float) -> Row:  # fmt: skip
+    ok = [s for s in samples if not s.error]
+    ttft = sorted(s.ttft for s in ok) or [float("nan")]
+    tpot = [(s.seconds - s.ttft) / (s.chunks - 1) for s in ok if s.chunks > 1]
+    texts = [s.text for s in samples]
+    same = sum(t == r for t, r in zip(texts, ref or texts, strict=True))
+    from copy_task import is_correct  # on sys.path through tests.live_servers
+
+    return Row(
+        setup, conc, len(samples),
+        round(statistics.median(ttft) * 1e3, 1),
+        round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] * 1e3, 1),
+        round(statistics.median(tpot) * 1e3, 2) if tpot else float("nan"),
+        round(same / len(samples), 3),
+        round(sum(is_correct(t, a) for t, a in zip(texts, answers, strict=True)) / len(samples), 3),
+        sum(s.ttft > STALL_S or s.error != "" for s in samples),
+        round(cpu_s / len(samples), 3),
+        len(samples) - len(ok),
+    )  # fmt: skip
+
+
+def prefill_rate(url: str, prompts: list[str], staged: bool) -> float:
+    """Requests per second of ``max_tokens=1`` prefills at concurrency 8 (``staged``: with
+    ``do_remote_decode``, so the connector saves each prompt's KV)."""
+
+    async def go() -> float:
+        extra = {"kv_transfer_params": {"do_remote_decode": True}} if staged else {}
+        sem = asyncio.Semaphore(8)
+        async with aiohttp.ClientSession() as session:
+
+            async def post(p: str) -> None:
+                body = {"model": "model", "prompt": p, "max_tokens": 1, **extra}
+                async with sem, session.post(f"{url}/v1/completions", json=body) as r:
+                    await r.read()
+
+            t0 = time.monotonic()
+            await asyncio.gather(*(post(p) for p in prompts))
+            return len(prompts) / (time.monotonic() - t0)
+
+    return asyncio.run(go())
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[8, 1])
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="8 prompts at concurrency 4: aggregated, qaic-shm-128to32, nixl-connector",
+    )
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png")
+    args = p.parse_args(argv)  # fmt: skip
+    if args.quick:
+        args.prompts, args.concurrency = 8, [4]
+        args.setups = ["aggregated", "qaic-shm-128to32", "nixl-connector"]
+    if "aggregated" not in args.setups:
+        args.setups.insert(0, "aggregated")  # the reference answers and times
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    pairs = copy_prompts(args.prompts, "compare-e2e")
+    prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
+    rows: list[Row] = []
+    ref: dict[int, list[str]] = {}
+    rates: dict[str, float] = {}
+    for setup in args.setups:
+        t0 = time.monotonic()
+        with LiveRun(f"cmp{setup}") as run:
+            url, prefill_url, servers = start(setup, run)
+            print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
+            asyncio.run(send_all(url, prompts[:2], 2, ANSWER_TOKENS))  # warm up
+            for conc in args.concurrency:
+                cpu0 = cpu_seconds(servers)
+                samples = asyncio.run(send_all(url, prompts, conc, ANSWER_TOKENS))
+                cpu = cpu_seconds(servers) - cpu0
+                if setup == "aggregated":
+                    ref[conc] = [s.text for s in samples]
+                rows.append(summarize(setup, conc, samples, ref.get(conc), answers, cpu))
+                print(f"[compare] {rows[-1]}", flush=True)
+            if setup == "aggregated":
+                rates[setup] = prefill_rate(url, prompts, staged=False)
+            elif setup == "qaic-shm" or (args.quick and setup.startswith("qaic")):
+                assert prefill_url is not None
+                rates["connector"] = prefill_rate(prefill_url, prompts, staged=True)
+        report = run.report
+        if report is not None and not report.clean:
+            print(f"[compare] {setup} left things behind: {report.problems()}", flush=True)
+    report_rows(rows, rates)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    ours = [r for r in rows if r.setup.startswith("qaic")]
+    return 1 if any(r.agreement < 1.0 or r.errors for r in ours) else 0
+
+
+def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
+    by = {(r.setup, r.concurrency): r for r in rows}
+    print(f"\n{'setup':<18}{'conc':>5}{'TTFT p50':>10}{'p95':>9}{'TPOT':>8}{'agree':>7}"
+          f"{'correct':>8}{'stalls':>7}{'CPU s/req':>10}{'x agg':>7}{'x nixl':>8}")  # fmt: skip
+    for r in rows:
+        agg = by.get(("aggregated", r.concurrency))
+        nixl = by.get(("nixl-connector", r.concurrency))
+        x_agg = r.ttft_p50_ms / agg.ttft_p50_ms if agg else float("nan")
+        x_nixl = r.ttft_p50_ms / nixl.ttft_p50_ms if nixl else float("nan")
+        print(f"{r.setup:<18}{r.concurrency:>5}{r.ttft_p50_ms:>8.0f}ms{r.ttft_p95_ms:>7.0f}ms"
+              f"{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}{r.stalls:>7}"
+              f"{r.cpu_s_per_request:>10.3f}{x_agg:>7.2f}{x_nixl:>8.2f}")  # fmt: skip
+    print("\ntargets (issue #13): TTFT p50 <= 2x aggregated, <= 0.5x NixlConnector, "
+          "p95 <= 3x p50, 0 stalls")  # fmt: skip
+    for r in rows:
+        if not r.setup.startswith("qaic"):
+            continue
+        agg = by.get(("aggregated", r.concurrency))
+        nixl = by.get(("nixl-connector", r.concurrency))
+        checks = {
+            "<=2x agg": agg is not None and r.ttft_p50_ms <= 2 * agg.ttft_p50_ms,
+            "<=0.5x nixl": nixl is not None and r.ttft_p50_ms <= 0.5 * nixl.ttft_p50_ms,
+            "p95<=3x p50": r.ttft_p95_ms <= 3 * r.ttft_p50_ms,
+            "0 stalls": r.stalls == 0,
+        }
+        flags = " ".join(f"{k}:{'met' if v else 'NOT met'}" for k, v in checks.items())
+        print(f"  {r.setup} c={r.concurrency}: {flags}")
+    if "aggregated" in rates and "connector" in rates:
+        ratio = rates["connector"] / rates["aggregated"]
+        print(f"prefill throughput with the connector: {rates['connector']:.1f} req/s, without: "
+              f"{rates['aggregated']:.1f} req/s, ratio {ratio:.2f} (target >= 0.9)")  # fmt: skip
+
+
+def plot(rows: list[Row], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concs = sorted({r.concurrency for r in rows})
+    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4), squeeze=False)
+    for ax, conc in zip(axes[0], concs, strict=True):
+        mine = [r for r in rows if r.concurrency == conc]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [r.ttft_p50_ms for r in mine], 0.4, label="TTFT p50")
+        ax.bar([x + 0.2 for x in xs], [r.ttft_p95_ms for r in mine], 0.4, label="TTFT p95")
+        ax.set_xticks(list(xs), [r.setup for r in mine], rotation=20, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.set_title(f"concurrency {conc}")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
