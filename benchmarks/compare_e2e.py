@@ -201,8 +201,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    pairs = copy_prompts(args.prompts, "compare-e2e")
-    prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
+    # Fresh prompts per concurrency (and for warming up and the prefill rate): a prompt a
+    # server has seen would be a prefix-cache hit, on both sides of a handoff.
+    sets = {c: copy_prompts(args.prompts, f"compare-e2e-{c}") for c in args.concurrency}
+    warm = [p for p, _ in copy_prompts(2 * max(args.concurrency), "compare-e2e-warm")]
+    rate_prompts = [p for p, _ in copy_prompts(args.prompts, "compare-e2e-rate")]
     rows: list[Row] = []
     ref: dict[int, list[str]] = {}
     rates: dict[str, float] = {}
@@ -211,8 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         with LiveRun(f"cmp{setup}") as run:
             url, prefill_url, servers = start(setup, run)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
-            asyncio.run(send_all(url, prompts[:2], 2, ANSWER_TOKENS))  # warm up
-            for conc in args.concurrency:
+            # Warm at the highest concurrency: a first batch of new shape is several times
+            # slower on vLLM's CPU backend, and a P/D pair has two engines to warm.
+            asyncio.run(send_all(url, warm, max(args.concurrency), ANSWER_TOKENS))
+            for conc, pairs in sets.items():
+                prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
                 cpu0 = cpu_seconds(servers)
                 samples = asyncio.run(send_all(url, prompts, conc, ANSWER_TOKENS))
                 cpu = cpu_seconds(servers) - cpu0
@@ -221,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(summarize(setup, conc, samples, ref.get(conc), answers, cpu))
                 print(f"[compare] {rows[-1]}", flush=True)
             if setup == "aggregated":
-                rates[setup] = prefill_rate(url, prompts, staged=False)
+                rates[setup] = prefill_rate(url, rate_prompts, staged=False)
             elif setup == "qaic-shm" or (args.quick and setup.startswith("qaic")):
                 assert prefill_url is not None
-                rates["connector"] = prefill_rate(prefill_url, prompts, staged=True)
+                rates["connector"] = prefill_rate(prefill_url, rate_prompts, staged=True)
         report = run.report
         if report is not None and not report.clean:
             print(f"[compare] {setup} left things behind: {report.problems()}", flush=True)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_qaic_connector import bench
-from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,14 +95,17 @@ def test_a_copy_that_drops_the_last_token_is_caught(
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_the_reference_gather_is_layout_gather_tokens(kind: str) -> None:
+def test_the_check_compares_bytes_not_values(kind: str) -> None:
+    """Random bytes hold NaNs, equal to themselves only as bytes; one flipped bit is found."""
     geo = KVGeometry(HEADS, HEAD_DIM, 16, torch.float16)
     layer = get_layout(kind).allocate(5, geo)
     layer.view(-1).view(torch.int16).copy_(torch.randint(-(2**15), 2**15, (layer.numel(),)))
-    views = get_layout(kind).kv_views(layer, geo)
-    blocks = [3, 0, 4, 1]
-    for view, want in zip(views, gather_tokens(views, blocks, 50), strict=True):
-        assert torch.equal(bench.tokens_of(view, blocks, 50), want.contiguous().view(torch.uint8))
+    layer.view(-1)[7] = float("nan")
+    cache = ([get_layout(kind).kv_views(layer, geo)], [3, 0, 4, 1])
+    assert bench.mismatches(cache, cache, 50) == []
+    other = layer.clone()
+    other.view(-1).view(torch.int16)[-1] ^= 1  # block 4, the last: tokens 32..47 of 50
+    assert bench.mismatches(cache, ([get_layout(kind).kv_views(other, geo)], cache[1]), 50)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

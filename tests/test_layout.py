@@ -80,6 +80,16 @@ def test_cuda_views_index_the_documented_shape(kind):
     assert k.data_ptr() == layer.data_ptr()  # a view, not a copy
 
 
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_gather_tokens_reads_token_by_token(kind):
+    layer, g = filled(kind, 16, 5)
+    views, blocks = get_layout(kind).kv_views(layer, g), [3, 0, 4, 1]
+    for view, got in zip(views, gather_tokens(views, blocks, 50), strict=True):
+        want = torch.stack([view[blocks[t // 16], :, t % 16] for t in range(50)], dim=1)
+        assert torch.equal(got, want)
+    assert gather_tokens(views, blocks, 0)[0].shape == (HEADS, 0, HEAD)
+
+
 @given(
     t0=st.integers(0, 300),
     n=st.integers(0, 300),
@@ -88,12 +98,12 @@ def test_cuda_views_index_the_documented_shape(kind):
 )
 def test_runs_tile_the_range_without_crossing_blocks(t0, n, s, d):
     runs = plan_token_runs(t0, t0 + n, s, d)
-    assert sum(r.length for r in runs) == n
+    assert int(runs[:, 4].sum()) == n and bool((runs[:, 4] > 0).all())
     pos = t0
-    for r in runs:
-        assert r.src_block * s + r.src_offset == pos == r.dst_block * d + r.dst_offset
-        assert r.src_offset + r.length <= s and r.dst_offset + r.length <= d
-        pos += r.length
+    for sb, db, so, do, length in runs.tolist():
+        assert sb * s + so == pos == db * d + do
+        assert so + length <= s and do + length <= d
+        pos += length
 
 
 BLOCKS = [16, 32, 64, 128, 512]
@@ -115,8 +125,10 @@ def test_copy_matches_reference_for_every_layout_and_block_pair(
     src_nb, dst_nb = blocks_for_tokens(n, sb), blocks_for_tokens(n, db)
     src_layer, sg = filled(src_kind, sb, src_nb + 1, seed=1)
     dst_layer, dg = filled(dst_kind, db, dst_nb + 2, seed=2)
-    src_blocks = data.draw(st.permutations(range(src_nb + 1)))[:src_nb]
-    dst_blocks = data.draw(st.permutations(range(dst_nb + 2)))[:dst_nb]
+    # Shuffled, or in order like a staged region's (then copies go without a temporary).
+    src_blocks = data.draw(st.permutations(range(src_nb + 1)) | st.just(range(1, src_nb + 1)))
+    dst_blocks = data.draw(st.permutations(range(dst_nb + 2)) | st.just(range(2, dst_nb + 2)))
+    src_blocks, dst_blocks = list(src_blocks)[:src_nb], list(dst_blocks)[:dst_nb]
     t0 = min(n, skip * db)  # a decode-side prefix hit covers whole blocks
     src_views = get_layout(src_kind).kv_views(src_layer, sg)
     dst_views = get_layout(dst_kind).kv_views(dst_layer, dg)

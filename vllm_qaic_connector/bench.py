@@ -8,10 +8,11 @@ load (`checked_read` through a second transport and `copy_tokens` into shuffled 
 into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
 NIXL agents live in this process; their bytes still go through UCX.
 
-Each (path, tokens) runs once untimed first, and the decode's tokens must equal the
-prefill's byte for byte (else MISMATCH and exit status 1). A row keeps the best of --repeats
-handoffs; its ratio is to the best of 5 np.copyto of its bytes between two pre-faulted arrays
-(one thread) right after it. A row needs ~4x a request's bytes (32k default tokens: 16 GiB).
+Each (path, tokens) runs once untimed first; after the timed handoffs the decode's KV is
+zeroed, one more handoff runs, and its tokens must equal the prefill's byte for byte (else
+MISMATCH and exit status 1). A row keeps the best of --repeats handoffs; its ratio is to
+the best of 5 np.copyto of its bytes between two pre-faulted arrays (one thread) right
+after it. A row needs ~4x a request's bytes (32k default tokens: 16 GiB).
 Ctrl-C or SIGTERM stops the run after its current step; the rows so far are still written.
 """
 
@@ -36,6 +37,7 @@ from vllm_qaic_connector.layout import (
     StagingFormat,
     blocks_for_tokens,
     copy_tokens,
+    gather_tokens,
     get_layout,
 )
 from vllm_qaic_connector.qaic_slot_pull import SlotPuller
@@ -173,20 +175,15 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     return Case(save, load, (src, src_blocks), (dst, dst_blocks))
 
 
-def tokens_of(view: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
-    """Reference gather, no copy plan: the bytes of tokens ``[0, n)`` of a canonical view
-    ``[blocks, heads, block_tokens, head_dim]`` held in ``blocks``, as ``[heads, n, ...]``."""
-    picked = view[torch.tensor(blocks, dtype=torch.long)].transpose(0, 1)
-    return picked.reshape(view.shape[1], -1, view.shape[3])[:, :n].contiguous().view(torch.uint8)
-
-
 def mismatches(src: Cache, dst: Cache, n: int) -> list[str]:
-    return [
-        f"layer {layer} {name}"
-        for layer, (s_kv, d_kv) in enumerate(zip(src[0], dst[0], strict=True))
-        for name, s, d in zip("KV", s_kv, d_kv, strict=True)
-        if not torch.equal(tokens_of(s, src[1], n), tokens_of(d, dst[1], n))
-    ]
+    """Planes whose tokens ``[0, n)`` differ, byte for byte (random bytes hold NaNs)."""
+    bad = []
+    for layer, (s_kv, d_kv) in enumerate(zip(src[0], dst[0], strict=True)):
+        want, got = gather_tokens(s_kv, src[1], n), gather_tokens(d_kv, dst[1], n)
+        for name, w, g in zip("KV", want, got, strict=True):
+            if not torch.equal(w.contiguous().view(torch.uint8), g.contiguous().view(torch.uint8)):
+                bad.append(f"layer {layer} {name}")
+    return bad
 
 
 STOP: list[int] = []  # signals received: acted on between steps, so cleanup always runs
@@ -212,13 +209,15 @@ def measure(path: Path, shape: Shape, n: int, repeats: int, corrupt: bool) -> Ro
     memcpy runs, and when this raises (Ctrl-C included)."""
     with ExitStack() as stack:
         case = build(path, shape, n, stack)
-        case.save()  # untimed: checked, and every page faulted in
-        case.load()
+        case.save(), case.load()  # untimed: every page faulted in
+        timed = [(seconds(case.save), seconds(case.load)) for _ in range(repeats)]
+        for view in (v for kv in case.dst[0] for v in kv):
+            view.zero_()  # so the checked handoff, along the plans the timed ones used, writes all
+        case.save(), case.load()
         if corrupt:  # negative control: one flipped bit must fail the run
             case.dst[0][-1][1][case.dst[1][0], 0, 0].view(torch.uint8)[:1].bitwise_xor_(1)
         if bad := mismatches(case.src, case.dst, n):
             raise Mismatch(f"{len(bad)} of {2 * shape.layers} planes differ: {bad[:4]}")
-        timed = [(seconds(case.save), seconds(case.load)) for _ in range(repeats)]
         del case  # the memcpy's arrays replace the path's buffers
     (save_s, load_s), nbytes = min(timed, key=sum), shape.nbytes(n)
     gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / memcpy_seconds(nbytes, 5) / 1e9

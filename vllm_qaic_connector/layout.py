@@ -8,6 +8,7 @@ re-blocking, head sharding for TP) are one operation on those views: copy tokens
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -96,14 +97,7 @@ class VllmCpuLayout(KVLayout):
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         nb, heads, bs, d = layer.shape[0], geo.num_heads, geo.block_size, geo.head_size
         packed = layer.view(nb, heads, 2 * bs, d)
-        head_stride, block_stride = packed.stride(1), packed.stride(0)
-        key = torch.as_strided(
-            packed,
-            size=(nb, heads, bs, d),
-            stride=(block_stride, head_stride, 1, bs),
-            storage_offset=packed.storage_offset(),
-        )
-        return key, packed[:, :, bs:, :]
+        return packed[:, :, :bs].view(nb, heads, d, bs).transpose(2, 3), packed[:, :, bs:, :]
 
 
 class QaicSlotLayout(KVLayout):
@@ -138,41 +132,28 @@ def get_layout(kind: str) -> KVLayout:
 # Token copy plans
 
 
-@dataclass(frozen=True)
-class TokenRun:
-    """A run of tokens that stays inside one source block and one destination block."""
-
-    src_block: int  # index into the source block list
-    src_offset: int
-    dst_block: int  # index into the destination block list
-    dst_offset: int
-    length: int
-
-
 def plan_token_runs(
     t0: int, t1: int, src_block_size: int, dst_block_size: int, dst_t0: int | None = None
-) -> list[TokenRun]:
-    """Split tokens ``[t0, t1)`` (source positions) into runs that cross no block edge.
+) -> torch.Tensor:
+    """Split tokens ``[t0, t1)`` (source positions) into runs that cross no block edge, one
+    row each: source block, destination block (indices into the block lists), source
+    offset, destination offset, length. Vectorized: no Python step per token or block.
 
     ``dst_t0`` is where ``t0`` lands on the destination side (default: same position).
     """
     if t0 < 0 or t1 < t0:
         raise ValueError(f"bad token range [{t0}, {t1})")
     shift = (t0 if dst_t0 is None else dst_t0) - t0
-    runs: list[TokenRun] = []
-    t = t0
-    while t < t1:
-        d = t + shift
-        src_left = src_block_size - t % src_block_size
-        dst_left = dst_block_size - d % dst_block_size
-        n = min(src_left, dst_left, t1 - t)
-        runs.append(
-            TokenRun(
-                t // src_block_size, t % src_block_size, d // dst_block_size, d % dst_block_size, n
-            )
-        )
-        t += n
-    return runs
+    edges = [  # every block edge of either side inside the range, in source positions
+        torch.arange(a - a % bs + bs, max(a - a % bs + bs, a + t1 - t0), bs) - a + t0
+        for a, bs in ((t0, src_block_size), (t0 + shift, dst_block_size))
+    ]
+    bounds = torch.cat([torch.tensor([t0, t1]), *edges]).unique()  # sorted
+    start, dst = bounds[:-1], bounds[:-1] + shift
+    return torch.stack([
+        start // src_block_size, dst // dst_block_size,
+        start % src_block_size, dst % dst_block_size, bounds.diff(),
+    ], dim=1)  # fmt: skip
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -204,45 +185,73 @@ def copy_tokens(
     Returns the number of bytes written.
     """
     src_bs, dst_bs = src[0].shape[2], dst[0].shape[2]
-    if src[0].shape[3] != dst[0].shape[3]:
-        raise ValueError(f"head size differs: {src[0].shape[3]} vs {dst[0].shape[3]}")
+    if src[0].shape[3] != dst[0].shape[3] or src[0].dtype != dst[0].dtype:  # bytes are copied
+        raise ValueError(f"head size or dtype differs: {src[0][0, 0].shape} {src[0].dtype} vs "
+                         f"{dst[0][0, 0].shape} {dst[0].dtype}")  # fmt: skip
     h = heads or HeadRange(0, src[0].shape[1])
     nh = h.stop - h.start
     if h.dst_start + nh > dst[0].shape[1] or h.stop > src[0].shape[1]:
         raise ValueError(f"head range {h} does not fit {src[0].shape[1]}->{dst[0].shape[1]}")
+    ints = _INTS[dst[0].element_size()]
+    plan = _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks))
+    for so, do, n, src_ids, dst_ids in plan:
+        for s, d in zip(src, dst, strict=True):
+            s_ = s[:, h.start : h.stop, so : so + n]
+            d_ = d[:, h.dst_start : h.dst_start + nh, do : do + n]
+            if s.device.type != "cpu" or d.device.type != "cpu":  # an accelerator's memory
+                d_[dst_ids] = s_[src_ids].to(d.device)
+            elif isinstance(dst_ids, slice) and not isinstance(src_ids, slice):  # to staging
+                torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place
+            else:
+                # torch's scatters (index_put_, index_copy_) go element by element, and its
+                # strided copies trail numpy's on K transposed (vllm_cpu). Numpy on
+                # same-size ints: any dtype, any strides, whole slices at a time.
+                into = dst_ids if isinstance(dst_ids, slice) else dst_ids.numpy()
+                d_.view(ints).numpy()[into] = s_[src_ids].view(ints).numpy()
+    return 2 * nh * (t1 - t0) * src[0].shape[3] * src[0].element_size()
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_Index = torch.Tensor | slice  # physical blocks; a slice where evenly spaced, as staged
+
+
+@functools.lru_cache(maxsize=32)  # every layer of a request copies along the same plan
+def _batches(
+    t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None,
+    src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...],
+) -> list[tuple[int, int, int, _Index, _Index]]:  # fmt: skip
+    """``copy_tokens``' runs grouped by shape, each group one copy: (source offset,
+    destination offset, length, source blocks, destination blocks). A few groups (one when
+    the block sizes match), however many blocks."""
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
-    written = 0
-    whole = src_bs == dst_bs and all(r.length == src_bs for r in runs)
-    for s, d in zip(src, dst, strict=True):
-        if whole:
-            # Block-aligned: one batched gather/scatter instead of a loop over runs.
-            si = torch.tensor([src_blocks[r.src_block] for r in runs], dtype=torch.long)
-            di = torch.tensor([dst_blocks[r.dst_block] for r in runs], dtype=torch.long)
-            d[di, h.dst_start : h.dst_start + nh] = s[si, h.start : h.stop]
-            written += len(runs) * nh * src_bs * s.shape[3] * s.element_size()
-            continue
-        for r in runs:
-            d[
-                dst_blocks[r.dst_block],
-                h.dst_start : h.dst_start + nh,
-                r.dst_offset : r.dst_offset + r.length,
-            ].copy_(
-                s[src_blocks[r.src_block], h.start : h.stop, r.src_offset : r.src_offset + r.length]
-            )
-            written += nh * r.length * s.shape[3] * s.element_size()
-    return written
+    if not len(runs):
+        return []
+    shapes, group = runs[:, 2:].unique(dim=0, return_inverse=True)
+    src_ids = torch.tensor(src_blocks, dtype=torch.long)[runs[:, 0]]
+    dst_ids = torch.tensor(dst_blocks, dtype=torch.long)[runs[:, 1]]
+    return [
+        (so, do, n, _as_slice(src_ids[group == g]), _as_slice(dst_ids[group == g]))
+        for g, (so, do, n) in enumerate(shapes.tolist())
+    ]
+
+
+def _as_slice(idx: torch.Tensor) -> _Index:
+    """``idx`` as a slice when it steps evenly upwards (indexing by it makes a view)."""
+    step = int(idx[1] - idx[0]) if len(idx) > 1 else 1
+    if step < 1 or not bool((idx.diff() == step).all()):
+        return idx
+    return slice(int(idx[0]), int(idx[-1]) + 1, step)
 
 
 def gather_tokens(
     kv: tuple[torch.Tensor, torch.Tensor], blocks: Sequence[int], num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: K and V of the first ``num_tokens`` tokens, ``[heads, tokens, head_dim]``."""
-    out = []
-    for view in kv:
-        bs = view.shape[2]
-        parts = [view[blocks[t // bs], :, t % bs, :] for t in range(num_tokens)]
-        out.append(torch.stack(parts, dim=1) if parts else view[:0, :, 0, :].transpose(0, 1))
-    return out[0], out[1]
+    used = torch.as_tensor(
+        blocks[: blocks_for_tokens(num_tokens, kv[0].shape[2])], dtype=torch.long
+    )
+    k, v = (view[used].transpose(0, 1).flatten(1, 2)[:, :num_tokens] for view in kv)
+    return k, v
 
 
 # ---------------------------------------------------------------------------

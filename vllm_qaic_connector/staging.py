@@ -114,8 +114,3 @@ class StagingPool:
     def pages_in_use(self) -> int:
         with self._lock:
             return sum(lease.num_pages for lease in self._leases.values())
-
-    @property
-    def num_leases(self) -> int:
-        with self._lock:
-            return len(self._leases)

@@ -300,10 +300,6 @@ class WorkerSide:
         source = spec.remote.remote_engine_id if spec.remote else ""
         return LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
 
-    @staticmethod
-    def _num_load_tokens(spec: LoadSpec) -> int:
-        return 0 if spec.remote is None else spec.remote.num_tokens - spec.first_token
-
     def _blocks_to_load(self, spec: LoadSpec) -> frozenset[int]:
         bs = self.geometry.block_size
         end = spec.remote.num_tokens if spec.remote else len(spec.block_ids) * bs
@@ -371,7 +367,7 @@ class WorkerSide:
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
-            spec.request_id, frozenset(), self._num_load_tokens(spec), copied,
+            spec.request_id, frozenset(), remote.num_tokens - spec.first_token, copied,
             ranks[0].engine_id, time.monotonic() - t0, reads,
         )  # fmt: skip
 
