@@ -32,9 +32,11 @@ from tests.live_servers import (  # noqa: E402
     ANSWER_TOKENS,
     LiveRun,
     Server,
+    Streamed,
     copy_prompts,
     free_port,
     kv_config,
+    stream_completion,
     wait_all_ready,
 )
 
@@ -57,43 +59,16 @@ class Row:
     errors: int
 
 
-@dataclass
-class Sample:
-    ttft: float
-    seconds: float
-    chunks: int
-    text: str
-    error: str = ""
-
-
-async def one(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-    t0, ttft, parts = time.monotonic(), float("nan"), list[str]()
-    try:
-        async with session.post(f"{url}/v1/completions", json={**body, "stream": True}) as r:
-            if r.status != 200:
-                return Sample(ttft, 0.0, 0, "", f"HTTP {r.status}: {(await r.text())[:200]}")
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: {"):
-                    continue
-                text = json.loads(line[6:])["choices"][0].get("text") or ""
-                if text and not parts:
-                    ttft = time.monotonic() - t0
-                parts.append(text)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        return Sample(ttft, 0.0, 0, "", f"{type(exc).__name__}: {exc}")
-    return Sample(ttft, time.monotonic() - t0, len(parts), "".join(parts))
-
-
-async def send_all(url: str, prompts: list[str], concurrency: int, max_tokens: int) -> list[Sample]:
+async def send_all(
+    url: str, prompts: list[str], concurrency: int, max_tokens: int
+) -> list[Streamed]:
     sem = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def limited(p: str) -> Sample:
+        async def limited(p: str) -> Streamed:
             async with sem:
-                return await one(session, url, p, max_tokens)
+                return await stream_completion(session, url, p, max_tokens)
 
         return await asyncio.gather(*(limited(p) for p in prompts))
 
@@ -135,7 +110,7 @@ def start(setup: str, run: LiveRun) -> tuple[str, str | None, list[Server]]:
     return proxy.url, p.url, [p, d, proxy]
 
 
-def summarize(setup: str, conc: int, samples: list[Sample], ref: list[str] | None,
+def summarize(setup: str, conc: int, samples: list[Streamed], ref: list[str] | None,
               answers: list[str], cpu_s: float) -> Row:  # fmt: skip
     ok = [s for s in samples if not s.error]
     ttft = sorted(s.ttft for s in ok) or [float("nan")]

@@ -15,6 +15,7 @@ so a new one named after this run's engines is a leak.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import requests
 
 from tests.ports import free_port
@@ -251,6 +253,40 @@ def complete(
     if not isinstance(payload, dict):
         return resp.status_code, {"not_json": resp.text[:500]}
     return resp.status_code, payload
+
+
+@dataclass
+class Streamed:
+    """One streamed completion: seconds to the first text, in all, and the text."""
+
+    status: int
+    ttft: float
+    seconds: float
+    chunks: int
+    text: str
+    error: str = ""
+
+
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = ANSWER_TOKENS
+) -> Streamed:
+    """POST a greedy streamed /v1/completions; a failure is in ``error``, never raised."""
+    body = {**completion_body(prompt, max_tokens), "stream": True}
+    t0, ttft, parts = time.monotonic(), float("nan"), list[str]()
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                return Streamed(r.status, ttft, 0.0, 0, "", f"HTTP {r.status}: {await r.text()}")
+            async for raw in r.content:
+                line = raw.strip()
+                if line.startswith(b"data: {"):
+                    text = json.loads(line[6:])["choices"][0].get("text") or ""
+                    if text and not parts:
+                        ttft = time.monotonic() - t0
+                    parts.append(text)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Streamed(0, ttft, 0.0, 0, "", f"{type(exc).__name__}: {exc}")
+    return Streamed(200, ttft, time.monotonic() - t0, len(parts), "".join(parts))
 
 
 def token_ids(url: str, prompt: str) -> list[int]:

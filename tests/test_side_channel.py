@@ -8,7 +8,7 @@ import zmq
 
 from tests.ranks import rank_meta
 from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.peers import PeerDirectory, check_ranks
+from vllm_qaic_connector.peers import RETRY_AFTER_S, PeerDirectory, check_ranks
 from vllm_qaic_connector.side_channel import MAX_MESSAGE_BYTES, SideChannelServer
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
@@ -315,3 +315,29 @@ def test_handshake_bug_fails_the_peer_instead_of_hanging(monkeypatch):
         directory.get("127.0.0.1", 5000)
     result = directory.poll("127.0.0.1", 5000)
     assert isinstance(result, str) and "KeyError" in result
+
+
+def test_a_load_keeps_the_failure_it_waited_on_a_new_lookup_retries():
+    """A load that waited on a handshake takes that handshake's outcome, however late it
+    looks (a busy loader used to start a silent peer's handshake over: twice the wait);
+    a later lookup retries the peer."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(8)  # connections complete, nothing ever answers
+    port = hole.getsockname()[1]
+    directory = PeerDirectory("dec", None, 0.2)
+    try:
+        deadline = time.monotonic() + 10
+        while not isinstance(directory.poll("127.0.0.1", port), str):
+            assert time.monotonic() < deadline, "the silent peer's handshake never failed"
+            time.sleep(0.05)
+        time.sleep(RETRY_AFTER_S + 0.2)  # the failure is old enough to be retried
+        failed = directory.poll("127.0.0.1", port, retry=False)
+        assert isinstance(failed, str) and "silent" in failed
+        start = time.monotonic()
+        with pytest.raises(ConnectionError, match="silent"):
+            directory.get("127.0.0.1", port, retry=False)
+        assert time.monotonic() - start < 0.1  # the old outcome, no new wait
+        assert directory.poll("127.0.0.1", port) is None  # a new lookup: handshaking again
+    finally:
+        hole.close()

@@ -204,11 +204,12 @@ class PeerDirectory:
             entry.finished = time.monotonic()
             entry.done.set()
 
-    def _entry(self, host: str, port: int) -> _Entry:
+    def _entry(self, host: str, port: int, retry: bool = True) -> _Entry:
         with self._lock:
             entry = self._entries.get((host, port))
             stale = (
-                entry is not None
+                retry
+                and entry is not None
                 and entry.error is not None
                 and time.monotonic() - entry.finished > RETRY_AFTER_S
             )
@@ -238,16 +239,18 @@ class PeerDirectory:
         with self._lock:
             self._entries.pop((host, port), None)
 
-    def poll(self, host: str, port: int) -> list[RankMetadata] | str | None:
-        """Ranks if known, an error string if the handshake failed, None while pending."""
-        entry = self._entry(host, port)
+    def poll(self, host: str, port: int, retry: bool = True) -> list[RankMetadata] | str | None:
+        """Ranks if known, an error string if the handshake failed, None while pending.
+        ``retry=False``: a failure stays the answer however old (for a caller waiting on
+        that very handshake, which must not start it over)."""
+        entry = self._entry(host, port, retry)
         if not entry.done.is_set():
             return None
         return entry.ranks if entry.ranks is not None else entry.error
 
-    def get(self, host: str, port: int) -> list[RankMetadata]:
+    def get(self, host: str, port: int, retry: bool = True) -> list[RankMetadata]:
         """Blocking lookup, bounded by the handshake timeout. Raises ConnectionError."""
-        entry = self._entry(host, port)
+        entry = self._entry(host, port, retry)
         # Each attempt is a TCP probe and a round trip, each bounded by the timeout.
         if not entry.done.wait(HANDSHAKE_ATTEMPTS * 2 * self.timeout_s + 1.0):
             raise ConnectionError(f"handshake with {host}:{port} timed out")

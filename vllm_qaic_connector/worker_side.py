@@ -238,6 +238,7 @@ class WorkerSide:
                 self._loader.submit(spec)  # fails at once
                 continue
             peer = (spec.remote.remote_host, spec.remote.remote_port)
+            self.peers.poll(*peer)  # starts the handshake, or retries one that failed a while ago
             self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
 
     def wait_for_save(self) -> None:
@@ -273,7 +274,7 @@ class WorkerSide:
         """The prefill's ranks as of the ticket's incarnation: a peer that restarted since
         we last met it is handshaken afresh, and its old mappings are dropped."""
         host, port = remote.remote_host, remote.remote_port
-        ranks = self.peers.get(host, port)
+        ranks = self.peers.get(host, port, retry=False)  # the handshake this load waited on
         if ranks[0].incarnation != remote.incarnation:
             assert self.transport is not None
             for old in ranks:
@@ -289,7 +290,8 @@ class WorkerSide:
         return ranks
 
     def _peer_resolved(self, host: str, port: int) -> bool:
-        return self.peers.poll(host, port) is not None  # starts the handshake; never waits
+        # retry=False: a busy loader that looks late must not start the handshake over.
+        return self.peers.poll(host, port, retry=False) is not None
 
     def _failed(self, spec: LoadSpec, reason: str) -> LoadResult:
         # Only to a peer that answered a handshake: a dead one would hold a thread for
