@@ -1,27 +1,32 @@
-"""Writes a random-weights Llama (no training) for harness runs on "any other model".
+"""Writes a random-weights model (no training) for harness runs on "any other model".
 
 It borrows the shipped model's tokenizer and uses another geometry (more layers, more KV
 heads, head size 64), so the connector meets shapes the copy model does not have.
-    python scripts/make_random_model.py OUT_DIR
+`--arch gemma3` writes a text-only Gemma3 whose 4 layers alternate sliding-window (64)
+and full attention, so vLLM builds a hybrid (two-group) KV cache.
+    python scripts/make_random_model.py OUT_DIR [--arch gemma3]
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def main(out: Path) -> None:
-    torch.manual_seed(0)
-    src = ROOT / "models" / "tiny-copy"
-    base = LlamaConfig.from_pretrained(src)
+def llama(base: LlamaConfig) -> PreTrainedModel:
     cfg = LlamaConfig(
         vocab_size=base.vocab_size,
         hidden_size=256,
@@ -36,11 +41,46 @@ def main(out: Path) -> None:
         pad_token_id=base.pad_token_id,
         torch_dtype="float32",
     )
-    LlamaForCausalLM(cfg).save_pretrained(out)
+    return LlamaForCausalLM(cfg)
+
+
+def gemma3(base: LlamaConfig) -> PreTrainedModel:
+    cfg = Gemma3TextConfig(
+        vocab_size=base.vocab_size,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=1024,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+        architectures=["Gemma3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+ARCHS = {"llama": llama, "gemma3": gemma3}
+
+
+def main(out: Path, arch: str = "llama") -> None:
+    torch.manual_seed(0)
+    src = ROOT / "models" / "tiny-copy"
+    ARCHS[arch](LlamaConfig.from_pretrained(src)).save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (src / name).exists():
             shutil.copy(src / name, out / name)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output directory")
+    parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    args = parser.parse_args()
+    main(args.out, args.arch)

@@ -59,7 +59,7 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         torch.equal(k, bk) and torch.equal(v, bv)
         for (k, v), (bk, bv) in zip(w.layers, before, strict=True)
     )
-    ref = plain([gather_tokens(kv, spec.block_ids, spec.num_tokens) for kv in w.layers])
+    ref = plain([gather_tokens(kv, spec.block_ids[0], spec.num_tokens) for kv in w.layers])
     outbox.put({"meta": w.rank_meta, "ref": ref, "unchanged": unchanged})
     acks = []  # acknowledgements that arrive with the decode's reads (NIXL)
     deadline = time.monotonic() + 120
@@ -78,7 +78,7 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
 def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     w = make_worker(args, 200 + args["rank"])
     spec: LoadSpec = inbox.get(timeout=120)
-    before = plain([gather_tokens(kv, spec.block_ids, spec.first_token) for kv in w.layers])
+    before = plain([gather_tokens(kv, spec.block_ids[0], spec.first_token) for kv in w.layers])
     w.bind(QAICConnectorMetadata(loads=[spec]))
     w.start_load_kv()
     deadline, done = time.monotonic() + 60, None
@@ -87,7 +87,7 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         time.sleep(0.01)
     errors = w.get_block_ids_with_load_errors()
     n = spec.remote.num_tokens if spec.remote else 0
-    got = plain([gather_tokens(kv, spec.block_ids, n) for kv in w.layers])
+    got = plain([gather_tokens(kv, spec.block_ids[0], n) for kv in w.layers])
     outbox.put(
         {
             "done": done,

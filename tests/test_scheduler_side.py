@@ -62,7 +62,7 @@ def test_prefill_stages_whole_prompt_and_returns_params(prefill):
     out, outputs = step(prefill)
     saves = meta(out).saves
     assert [s.request_id for s in saves] == ["p1"]
-    assert saves[0].num_tokens == 45 and len(saves[0].block_ids) == 3
+    assert saves[0].num_tokens == 45 and len(saves[0].block_ids[0]) == 3
     params = params_of(outputs, "p1")
     assert params["do_remote_prefill"] is True
     assert params["num_tokens"] == 45 and params["remote_request_id"] == "p1"
@@ -88,7 +88,7 @@ def test_chunked_prefill_saves_once_when_prompt_completes():
             saves_per_step.append(meta(out).saves)
         assert [len(s) for s in saves_per_step] == [0, 0, 1]
         spec = saves_per_step[2][0]
-        assert spec.num_tokens == 70 and len(spec.block_ids) == 5
+        assert spec.num_tokens == 70 and len(spec.block_ids[0]) == 5
     finally:
         sched.connector.shutdown()
 
@@ -185,7 +185,7 @@ def test_decode_waits_for_remote_kv_then_runs(decode):
     loads = meta(out).loads
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert len(loads) == 1 and loads[0].first_token == 0 and loads[0].error is None
-    assert loads[0].block_ids == decode.kv_cache_manager.get_block_ids("d1")[0]
+    assert loads[0].block_ids == tuple(decode.kv_cache_manager.get_block_ids("d1"))
     assert loads[0].remote.num_tokens == 45
     step(decode, KVConnectorOutput(finished_recving={"d1"}))
     out, _ = step(decode)
@@ -258,7 +258,7 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
             time.sleep(0.01)
         assert spec is not None
         assert (spec.layout_kind, spec.block_size) == ("cuda_hnd", 64)
-        assert len(spec.block_ids) == 5  # the prefill's own 16-token blocks
+        assert len(spec.block_ids[0]) == 5  # the prefill's own 16-token blocks
         params = params_of(outputs, "t1")
         assert params["staged_layout"] == "cuda_hnd" and params["staged_block_size"] == 64
     finally:

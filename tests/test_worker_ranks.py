@@ -67,7 +67,7 @@ def run_handoff(
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
     generation = (5 << 32) + 1
     save = SaveSpec(
-        "r1", list(range(n_src_blocks, 0, -1)), num_tokens, 4096, p_layout, p_block, generation
+        "r1", (list(range(n_src_blocks, 0, -1)),), num_tokens, 4096, p_layout, p_block, generation
     )
     procs, pre = start_ranks(
         prefill_rank,
@@ -123,7 +123,7 @@ def run_handoff(
     )
     d_blocks = list(range(3, 3 + blocks_for_tokens(num_tokens, d_block)))
     for q in dec:
-        q[0].put(LoadSpec("d1", d_blocks, first_token, remote, holds_until=holds_until))
+        q[0].put(LoadSpec("d1", (d_blocks,), first_token, remote, holds_until=holds_until))
     outs = [q[1].get(timeout=180) for q in dec]
     for q in pre:
         q[0].put("exit")

@@ -11,6 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from vllm_qaic_connector.config import parse_config
@@ -28,7 +29,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class QAICConnector(KVConnectorBase_V1):
+class QAICConnector(KVConnectorBase_V1, SupportsHMA):
+    """Hybrid models (HMA) are supported: each KV cache group is moved by its own block
+    table, a sliding-window group only from its window's start (see kv_groups.py)."""
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -136,7 +140,12 @@ class QAICConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._s().request_finished(request, block_ids)
+        return self._s().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._s().request_finished(request)
 
     # --- stats -------------------------------------------------------------------------------
 

@@ -308,27 +308,38 @@ def plan_slot_reads(
 
 @dataclass(frozen=True)
 class StagingFormat:
-    """How a staged request is laid out: the layout and geometry of its blocks."""
+    """How a staged request is laid out: the layout and geometry of its blocks. Layer ``i``
+    holds its blocks from the one with token ``first_tokens[i]`` on (sliding-window layers
+    stage only their tail; empty: every layer from token 0)."""
 
     layout_kind: str
     geometry: KVGeometry
     num_layers: int
+    first_tokens: tuple[int, ...] = ()
+
+    def shift(self, layer: int) -> int:
+        """Tokens before a layer's first staged block (its position 0 in staging)."""
+        if not self.first_tokens:
+            return 0
+        return self.first_tokens[layer] - self.first_tokens[layer] % self.geometry.block_size
+
+    def _blocks(self, layer: int, num_tokens: int) -> int:
+        return blocks_for_tokens(num_tokens - self.shift(layer), self.geometry.block_size)
 
     def request_bytes(self, num_tokens: int) -> int:
-        nb = blocks_for_tokens(num_tokens, self.geometry.block_size)
-        return self.num_layers * nb * self.geometry.bytes_per_block
+        blocks = sum(self._blocks(i, num_tokens) for i in range(self.num_layers))
+        return blocks * self.geometry.bytes_per_block
 
     def layer_views(
         self, region: torch.Tensor, num_tokens: int
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Canonical views of each layer inside a staged region (flat uint8, no copy)."""
         layout = get_layout(self.layout_kind)
-        nb = blocks_for_tokens(num_tokens, self.geometry.block_size)
-        per_layer = nb * self.geometry.bytes_per_block
-        return [
-            layout.kv_views(
-                layout.from_bytes(region[i * per_layer : (i + 1) * per_layer], nb, self.geometry),
-                self.geometry,
-            )
-            for i in range(self.num_layers)
-        ]
+        views, at = [], 0
+        for i in range(self.num_layers):
+            nb = self._blocks(i, num_tokens)
+            size = nb * self.geometry.bytes_per_block
+            layer = layout.from_bytes(region[at : at + size], nb, self.geometry)
+            views.append(layout.kv_views(layer, self.geometry))
+            at += size
+        return views

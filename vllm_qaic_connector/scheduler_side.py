@@ -3,6 +3,7 @@ and the side-channel listener. It holds no tensors, layouts or transports."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,7 +15,16 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
-from vllm_qaic_connector.layout import blocks_for_tokens
+from vllm_qaic_connector.kv_groups import (
+    groups_of,
+    held_start,
+    layer_groups,
+    load_starts,
+    ordered_layers,
+    staged_starts,
+    staging_gap,
+)
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.side_channel import SideChannelServer
@@ -52,30 +62,37 @@ MAX_TP = 1024  # bounds the work an acknowledgement can ask for
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Stage tokens ``[0, num_tokens)`` held in ``block_ids`` at ``staging_offset``, laid out
-    as ``layout_kind`` blocks of ``block_size`` tokens (the decode's, when it is known),
-    under a header holding ``generation``."""
+    """Stage tokens ``[starts[g], num_tokens)`` of each KV cache group ``g``, held in
+    ``block_ids[g]``, at ``staging_offset``, laid out as ``layout_kind`` blocks of
+    ``block_size`` tokens (the decode's, when it is known), under a header holding
+    ``generation``."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_tokens: int
     staging_offset: int
     layout_kind: str
     block_size: int
     generation: int
+    starts: tuple[int, ...] = (0,)
 
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Load tokens ``[first_token, remote.num_tokens)`` into ``block_ids`` (which cover the
-    request from token 0). ``error`` set means: fail the load, report the blocks."""
+    """Load tokens ``[starts[g], remote.num_tokens)`` of each KV cache group ``g`` into
+    ``block_ids[g]`` (which cover the request from token 0). ``first_token`` is the first
+    one not computed here. ``error`` set means: fail the load, report the blocks."""
 
     request_id: str
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     first_token: int
     remote: RemotePrefill | None
     error: str | None = None
     holds_until: float = 0.0  # unix time the staging lease is known to hold (0: unchecked)
+    starts: tuple[int, ...] = ()  # empty: first_token for every group
+
+    def start(self, group: int) -> int:
+        return self.starts[group] if self.starts else self.first_token
 
 
 @dataclass
@@ -114,12 +131,16 @@ class SchedulerSide:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.is_producer = bool(ktc.is_kv_producer)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"QAICConnector supports one KV cache group, got {len(groups)}")
-        spec = groups[0].kv_cache_spec
+        self.groups = groups_of(kv_cache_config)
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.block_size = spec.block_size
-        self.bytes_per_block_all_layers = spec.page_size_bytes * len(groups[0].layer_names)
+        self.geometry = KVGeometry(
+            spec.num_kv_heads,  # type: ignore[attr-defined]
+            spec.head_size,  # type: ignore[attr-defined]
+            spec.block_size,
+            spec.dtype,  # type: ignore[attr-defined]
+        )
+        self.layer_groups = layer_groups(self.groups, ordered_layers(self.groups))
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._kv_cache_manager: KVCacheManager | None = None
@@ -260,13 +281,19 @@ class SchedulerSide:
             return
         first_token, remote, error = matched
         params["do_remote_prefill"] = False  # load once, even if rescheduled
+        num_tokens = remote.num_tokens if remote else first_token + num_external_tokens
+        starts = load_starts(self.groups, num_tokens, first_token)
+        if remote is not None and error is None:
+            gap = staging_gap(starts, remote.group_starts or (0,) * len(self.groups))
+            error = f"request {request.request_id}: {gap}" if gap else None
         self._pending_loads[request.request_id] = LoadSpec(
             request.request_id,
-            list(blocks.get_block_ids()[0]),
+            tuple(list(ids) for ids in blocks.get_block_ids()),
             first_token,
             remote,
             error,
             self._renewer.holds_until(request.request_id),
+            starts,
         )
 
     # --- prefill side: saves --------------------------------------------------------------
@@ -283,11 +310,11 @@ class SchedulerSide:
             if target is None:
                 return None, False
             out.target, out.waiting_since = target, now
-        per_token = self.bytes_per_block_all_layers // self.block_size
-        blocks = blocks_for_tokens(request.num_prompt_tokens, out.target.block_size)
+        held = (0,) * len(self.groups)  # the most it can stage: nothing is dropped yet
+        fmt = self._staging_format(request.num_prompt_tokens, out.target, held)
         self._expire_leases()  # an idle engine ran no step that would have freed them
         try:
-            kv_bytes = blocks * out.target.block_size * per_token
+            kv_bytes = fmt.request_bytes(request.num_prompt_tokens)
             offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
         except ValueError as exc:
             out.error = str(exc)
@@ -332,6 +359,17 @@ class SchedulerSide:
             return own  # head shards differ: the decode regroups heads on receive
         return StagingTarget(found[0].layout_kind, found[0].block_size)
 
+    def _staging_format(
+        self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]
+    ) -> StagingFormat:
+        starts = staged_starts(self.groups, num_tokens, target.block_size, held)
+        return StagingFormat(
+            target.layout_kind,
+            dataclasses.replace(self.geometry, block_size=target.block_size),
+            len(self.layer_groups),
+            tuple(starts[g] for g in self.layer_groups),
+        )
+
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
 
@@ -351,15 +389,26 @@ class SchedulerSide:
                 continue
             assert self._kv_cache_manager is not None
             num_tokens = req.num_prompt_tokens
-            block_ids = list(self._kv_cache_manager.get_block_ids(rid)[0])
+            null = self._kv_cache_manager.block_pool.null_block.block_id
+            block_ids = tuple(
+                list(ids[: blocks_for_tokens(num_tokens, g.block_size)])
+                for g, ids in zip(
+                    self.groups, self._kv_cache_manager.get_block_ids(rid), strict=True
+                )
+            )
+            held = tuple(
+                held_start(ids, null, g.block_size)
+                for g, ids in zip(self.groups, block_ids, strict=True)
+            )
             spec = SaveSpec(
                 rid,
-                block_ids[: blocks_for_tokens(num_tokens, self.block_size)],
+                block_ids,
                 num_tokens,
                 outgoing.offset,
                 outgoing.target.layout_kind,
                 outgoing.target.block_size,
                 outgoing.generation,
+                staged_starts(self.groups, num_tokens, outgoing.target.block_size, held),
             )
             self._staged[rid] = spec
             saves.append(spec)
@@ -386,7 +435,7 @@ class SchedulerSide:
             for rid in ack.request_ids:
                 self._acknowledge(rid, ack)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+    def request_finished(self, request: Request) -> tuple[bool, Any]:
         rid = request.request_id
         self._to_save.pop(rid, None)
         self._matched.pop(rid, None)
@@ -424,6 +473,7 @@ class SchedulerSide:
             prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
             lease_s=self.cfg.lease_s,
             expires_at=time.time() + self.pool.expires_in(rid),
+            group_starts=spec.starts if any(spec.starts) else (),
         )
         if self._key is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, self._key))

@@ -53,8 +53,18 @@ class RankMetadata(msgspec.Struct, frozen=True):
 COMPAT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_size")
 
 
-def compat_hash(model: str, dtype: str, num_layers: int, num_kv_heads: int, head_size: int) -> str:
+def compat_hash(
+    model: str,
+    dtype: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    windows: tuple[int, ...] = (),
+) -> str:
+    """``windows``: each layer's sliding window, for hybrid models (empty: all full)."""
     text = f"{model}|{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
+    if any(windows):
+        text += f"|{','.join(map(str, windows))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -205,6 +215,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     prompt_hash: str  # of token ids [0, num_tokens): KV of another prompt is never used
     lease_s: float  # the prefill frees the region this long after the last renewal
     expires_at: float  # unix time the lease ends unless renewed
+    group_starts: tuple[int, ...] = ()  # first token staged per KV cache group (): all 0
     ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
 
 
@@ -255,6 +266,10 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
         (HASH_RE.fullmatch(p.prompt_hash), "prompt_hash must be 32 lowercase hex digits"),
         (p.lease_s > 0, f"lease_s must be > 0, got {p.lease_s}"),
         (p.expires_at > 0, f"expires_at must be > 0, got {p.expires_at}"),
+        (
+            len(p.group_starts) <= 64 and all(0 <= t < p.num_tokens for t in p.group_starts),
+            f"group_starts must be at most 64 tokens in [0, num_tokens), got {p.group_starts}",
+        ),
     ]
     return next((why for ok, why in checks if not ok), None)
 

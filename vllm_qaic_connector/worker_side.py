@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.kv_groups import KVGroup, groups_of, layer_groups
 from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
@@ -121,8 +122,16 @@ class RankIdentity:
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, identity: RankIdentity, geometry: KVGeometry) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        identity: RankIdentity,
+        geometry: KVGeometry,
+        groups: tuple[KVGroup, ...] = (),
+    ) -> None:
         self.cfg = cfg
+        self.groups = groups  # KV cache groups (empty: one, every layer in it)
+        self.layer_groups: tuple[int, ...] = ()  # each layer's group
         self.identity = identity
         self.engine_id = identity.engine_id
         self.tp_rank, self.tp_size = identity.tp_rank, identity.tp_size
@@ -150,6 +159,7 @@ class WorkerSide:
 
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
+        groups = groups_of(kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         model_cfg = vllm_config.model_config
         identity = RankIdentity(
@@ -165,7 +175,7 @@ class WorkerSide:
             block_size=spec.block_size,
             dtype=spec.dtype,  # type: ignore[attr-defined]
         )
-        return cls(cfg, identity, geometry)
+        return cls(cfg, identity, geometry, groups)
 
     # --- registration ----------------------------------------------------------------------
 
@@ -176,6 +186,8 @@ class WorkerSide:
 
         names = sorted(kv_caches, key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
+        self.layer_groups = layer_groups(self.groups, names)
+        windows = tuple(self.groups[g].window for g in self.layer_groups) if self.groups else ()
         self.layout = layout or detect_layout(tensors[0], self.geometry)
         if self.layout.kind == "vllm_cpu" and self.cfg.verify_cpu_layout:
             from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
@@ -207,7 +219,7 @@ class WorkerSide:
             num_layers=len(tensors),
             model=model,
             compat_hash=compat_hash(
-                model, dtype, len(tensors), total_heads, self.geometry.head_size
+                model, dtype, len(tensors), total_heads, self.geometry.head_size, windows
             ),
             endpoint=self.transport.endpoint(),
             incarnation=self.incarnation,
@@ -253,20 +265,34 @@ class WorkerSide:
         """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
         assert self._headers is not None
         geometry = dataclasses.replace(self.geometry, block_size=spec.block_size)
-        fmt = StagingFormat(spec.layout_kind, geometry, len(self.layers))
+        fmt = self._format(spec.layout_kind, geometry, len(self.layers), spec.starts)
         start = spec.staging_offset
         end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
         written, t0 = 0, time.monotonic()
         with self._headers.writing(start, end, spec.generation) as region:
             views = fmt.layer_views(region, spec.num_tokens)
-            for src, dst in zip(self.layers, views, strict=True):
-                written += copy_tokens(src, spec.block_ids, dst, staged_blocks, 0, spec.num_tokens)
+            for i, (src, dst) in enumerate(zip(self.layers, views, strict=True)):
+                t = spec.starts[self._group(i)]  # staging holds the layer from fmt.shift(i)
+                written += copy_tokens(
+                    src, spec.block_ids[self._group(i)], dst, staged_blocks, t,
+                    spec.num_tokens, dst_t0=t - fmt.shift(i),
+                )  # fmt: skip
         with self._stats_lock:
             self._stats.add("saved_requests")
             self._stats.add("saved_tokens", spec.num_tokens)
             self._stats.add("bytes_copied", written)
             self._stats.sample("save_seconds", time.monotonic() - t0)
+
+    def _group(self, layer: int) -> int:
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def _format(
+        self, kind: str, geometry: KVGeometry, num_layers: int, group_starts: tuple[int, ...]
+    ) -> StagingFormat:
+        """A staged request's format; ``group_starts``: its first staged token per group."""
+        firsts = tuple(group_starts[self._group(i)] for i in range(num_layers))
+        return StagingFormat(kind, geometry, num_layers, firsts if any(firsts) else ())
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -302,11 +328,17 @@ class WorkerSide:
         source = spec.remote.remote_engine_id if spec.remote else ""
         return LoadResult(spec.request_id, self._blocks_to_load(spec), 0, 0, source)
 
-    def _blocks_to_load(self, spec: LoadSpec) -> frozenset[int]:
+    def _blocks_to_load(self, spec: LoadSpec, group: int | None = None) -> frozenset[int]:
+        """The blocks a load writes, in one group or in all of them."""
         bs = self.geometry.block_size
-        end = spec.remote.num_tokens if spec.remote else len(spec.block_ids) * bs
-        first = spec.first_token // bs
-        return frozenset(spec.block_ids[first : blocks_for_tokens(end, bs)])
+        groups = range(len(spec.block_ids)) if group is None else [group]
+        blocks: set[int] = set()
+        for g in groups:
+            ids = spec.block_ids[g]
+            end = spec.remote.num_tokens if spec.remote else len(ids) * bs
+            first = spec.start(g) // bs
+            blocks.update(ids[first : blocks_for_tokens(end, bs)])
+        return frozenset(blocks)
 
     def _load(self, spec: LoadSpec, gate: WriteGate) -> LoadResult:
         """Reads each source rank's staged heads (ticket-checked) into our blocks."""
@@ -330,7 +362,8 @@ class WorkerSide:
                 remote.staged_block_size,
                 self.geometry.dtype,
             )
-            fmt = StagingFormat(remote.staged_layout, src_geo, src_rank.num_layers)
+            staged = remote.group_starts or (0,) * len(spec.block_ids)
+            fmt = self._format(remote.staged_layout, src_geo, src_rank.num_layers, staged)
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
             notify = ack_message(
@@ -352,19 +385,15 @@ class WorkerSide:
                 gate.writing(),
             ):
                 views = fmt.layer_views(region, remote.num_tokens)
-                for src, dst in zip(views, self.layers, strict=True):
+                for i, (src, dst) in enumerate(zip(views, self.layers, strict=True)):
+                    t, shift = spec.start(self._group(i)), fmt.shift(i)
                     copied += copy_tokens(
-                        src,
-                        src_blocks,
-                        dst,
-                        spec.block_ids,
-                        spec.first_token,
-                        remote.num_tokens,
-                        source.heads,
-                    )
+                        src, src_blocks, dst, spec.block_ids[self._group(i)], t - shift,
+                        remote.num_tokens - shift, source.heads, dst_t0=t,
+                    )  # fmt: skip
                 if self.cfg.debug_corrupt_loaded_kv:
-                    for dst in self.layers:
-                        self._corrupt(dst, spec)
+                    for i, dst in enumerate(self.layers):
+                        self._corrupt(dst, spec, self._group(i))
             reads += 2  # the region with its header, then the header again
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
@@ -373,9 +402,9 @@ class WorkerSide:
             ranks[0].engine_id, time.monotonic() - t0, reads,
         )  # fmt: skip
 
-    def _corrupt(self, dst: Views, spec: LoadSpec) -> None:
+    def _corrupt(self, dst: Views, spec: LoadSpec, group: int) -> None:
         """Negative control: zero what was just loaded, so accuracy must collapse."""
-        for block in self._blocks_to_load(spec):
+        for block in self._blocks_to_load(spec, group):
             dst[0][block].zero_()
             dst[1][block].zero_()
 

@@ -1,0 +1,113 @@
+"""KV cache groups (vLLM's hybrid allocator, HMA): what each group is, and which of a
+request's tokens a handoff moves for it.
+
+A full-attention group moves the whole prompt. A sliding-window group moves only the tail
+the decode will attend to: vLLM drops (and never allocates on the decode) the blocks before
+it. The math is pure; ``groups_of`` is the one place that reads vLLM's specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    block_size: int
+    window: int  # tokens a sliding-window layer keeps (0: full attention)
+    layer_names: tuple[str, ...]
+
+
+def groups_of(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
+    """The engine's KV cache groups; refuses kinds whose KV this connector cannot move."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    groups, shapes = [], set()
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec) or isinstance(spec, ChunkedLocalAttentionSpec):
+            raise ValueError(
+                f"QAICConnector: KV cache group {i} is {type(spec).__name__}; only full and "
+                "sliding-window attention groups can be handed off"
+            )
+        shapes.add((spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype))
+        window = 0
+        if isinstance(spec, SlidingWindowSpec):
+            window = spec.sliding_window + spec.extra_retained_tokens
+        groups.append(KVGroup(spec.block_size, window, tuple(group.layer_names)))
+    if len(shapes) > 1:
+        raise ValueError(
+            f"QAICConnector: KV cache groups differ in (block size, KV heads, head size, "
+            f"dtype): {sorted(shapes, key=str)}; they must share one geometry"
+        )
+    return tuple(groups)
+
+
+def window_start(num_tokens: int, window: int) -> int:
+    """The first token a layer attends to when token ``num_tokens`` is computed: vLLM's
+    ``SlidingWindowManager.get_num_skipped_tokens``; 0 for full attention."""
+    return max(0, num_tokens - window + 1) if window else 0
+
+
+def kept_start(num_tokens: int, window: int, block_size: int) -> int:
+    """The first token of the first block an engine keeps for a request of ``num_tokens``
+    (the blocks before it are vLLM's null block)."""
+    start = window_start(num_tokens, window)
+    return start - start % block_size
+
+
+def staged_starts(
+    groups: Sequence[KVGroup], num_tokens: int, staged_block_size: int, held: Sequence[int]
+) -> tuple[int, ...]:
+    """The first token staged per group: whole blocks of the staging block size from the
+    window's start, but nothing before what the prefill still holds (``held``)."""
+    return tuple(
+        max(kept_start(num_tokens, g.window, staged_block_size), h)
+        for g, h in zip(groups, held, strict=True)
+    )
+
+
+def load_starts(groups: Sequence[KVGroup], num_tokens: int, first_token: int) -> tuple[int, ...]:
+    """The first token to load per group: the decode's first kept block, or the first
+    token it has not computed itself, whichever is later."""
+    return tuple(max(kept_start(num_tokens, g.window, g.block_size), first_token) for g in groups)
+
+
+def staging_gap(loads: Sequence[int], staged: Sequence[int]) -> str | None:
+    """Why staged tokens cannot fill the blocks a decode loads, or None. A half-written
+    block must not be loaded: the prefix cache would later hand it to another request."""
+    if len(staged) != len(loads):
+        return f"the ticket stages {len(staged)} KV cache groups, this engine has {len(loads)}"
+    for i, (load, begin) in enumerate(zip(loads, staged, strict=True)):
+        if begin > load:
+            return f"KV cache group {i}: staged from token {begin}, needed from {load}"
+    return None
+
+
+def held_start(block_ids: Sequence[int], null_block_id: int, block_size: int) -> int:
+    """The first token in a real block (vLLM pads dropped sliding-window blocks with its
+    null block)."""
+    skipped = next((i for i, b in enumerate(block_ids) if b != null_block_id), len(block_ids))
+    return skipped * block_size
+
+
+def layer_groups(groups: Sequence[KVGroup], layer_names: Sequence[str]) -> tuple[int, ...]:
+    """The group of each layer, in the order given (a layer in no group: group 0)."""
+    group_of = {name: i for i, g in enumerate(groups) for name in g.layer_names}
+    return tuple(group_of.get(name, 0) for name in layer_names)
+
+
+def ordered_layers(groups: Sequence[KVGroup]) -> list[str]:
+    """Every layer by its index in the model: the order both sides stage layers in."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
