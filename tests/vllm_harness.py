@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -62,15 +63,23 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(block_size: int, num_blocks: int = 64) -> KVCacheConfig:
-    spec = FullAttentionSpec(
+def make_kv_cache_config(block_size: int, num_blocks: int = 64, window: int = 0) -> KVCacheConfig:
+    """Two full-attention layers; with ``window``, a hybrid model as vLLM's HMA groups it:
+    layers 0 and 2 sliding-window (group 0), layers 1 and 3 full attention (group 1)."""
+    geo: dict[str, Any] = dict(
         block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
-    layers = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    layer = "model.layers.{}.self_attn.attn".format
+    groups = [KVCacheGroupSpec([layer(0), layer(1)], FullAttentionSpec(**geo))]
+    if window:
+        groups = [
+            KVCacheGroupSpec([layer(0), layer(2)], SlidingWindowSpec(**geo, sliding_window=window)),
+            KVCacheGroupSpec([layer(1), layer(3)], FullAttentionSpec(**geo)),
+        ]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],  # the scheduler never allocates; workers do
-        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+        kv_cache_groups=groups,
     )
 
 
@@ -79,13 +88,14 @@ def make_scheduler(
     block_size: int = 16,
     extra: dict[str, Any] | None = None,
     num_blocks: int = 64,
+    window: int = 0,
     **kw: Any,
 ) -> Scheduler:
     cfg = make_vllm_config(role, block_size, extra, **kw)
     cfg.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         cfg,
-        make_kv_cache_config(block_size, num_blocks),
+        make_kv_cache_config(block_size, num_blocks, window),
         StructuredOutputManager(cfg),
         block_size=block_size,
     )

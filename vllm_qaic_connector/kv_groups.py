@@ -58,6 +58,13 @@ def window_start(num_tokens: int, window: int) -> int:
     return max(0, num_tokens - window + 1) if window else 0
 
 
+def tokens_to_load(num_tokens: int, groups: Sequence[KVGroup]) -> int:
+    """How many staged tokens a decode claims. With a sliding window, one short: vLLM
+    recomputes the last prompt token of a fully loaded prompt, and that token attends one
+    token further back than the blocks vLLM keeps for the whole prompt."""
+    return num_tokens - 1 if any(g.window for g in groups) and num_tokens > 1 else num_tokens
+
+
 def kept_start(num_tokens: int, window: int, block_size: int) -> int:
     """The first token of the first block an engine keeps for a request of ``num_tokens``
     (the blocks before it are vLLM's null block)."""
@@ -70,8 +77,9 @@ def staged_starts(
 ) -> tuple[int, ...]:
     """The first token staged per group: whole blocks of the staging block size from the
     window's start, but nothing before what the prefill still holds (``held``)."""
+    loaded = tokens_to_load(num_tokens, groups)
     return tuple(
-        max(kept_start(num_tokens, g.window, staged_block_size), h)
+        max(kept_start(loaded, g.window, staged_block_size), h)
         for g, h in zip(groups, held, strict=True)
     )
 

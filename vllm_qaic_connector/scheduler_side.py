@@ -23,6 +23,7 @@ from vllm_qaic_connector.kv_groups import (
     ordered_layers,
     staged_starts,
     staging_gap,
+    tokens_to_load,
 )
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.lease_renewal import LeaseRenewer
@@ -90,9 +91,14 @@ class LoadSpec:
     error: str | None = None
     holds_until: float = 0.0  # unix time the staging lease is known to hold (0: unchecked)
     starts: tuple[int, ...] = ()  # empty: first_token for every group
+    claimed: int = 0  # tokens claimed from the prefill (0: all it staged)
 
     def start(self, group: int) -> int:
         return self.starts[group] if self.starts else self.first_token
+
+    @property
+    def end(self) -> int:
+        return self.claimed or (self.remote.num_tokens if self.remote else 0)
 
 
 @dataclass
@@ -264,7 +270,7 @@ class SchedulerSide:
             # vLLM's kv_load_failure_policy decides, as for every other failed load.
             error = f"request {request.request_id}: {exc}"
             num_tokens = len(request.prompt_token_ids or ())
-        count = num_tokens - num_computed_tokens
+        count = tokens_to_load(num_tokens, self.groups) - num_computed_tokens
         if count <= 0:
             return 0, False
         self._matched[request.request_id] = (num_computed_tokens, remote, error)
@@ -281,8 +287,7 @@ class SchedulerSide:
             return
         first_token, remote, error = matched
         params["do_remote_prefill"] = False  # load once, even if rescheduled
-        num_tokens = remote.num_tokens if remote else first_token + num_external_tokens
-        starts = load_starts(self.groups, num_tokens, first_token)
+        starts = load_starts(self.groups, first_token + num_external_tokens, first_token)
         if remote is not None and error is None:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self.groups))
             error = f"request {request.request_id}: {gap}" if gap else None
@@ -294,6 +299,7 @@ class SchedulerSide:
             error,
             self._renewer.holds_until(request.request_id),
             starts,
+            first_token + num_external_tokens,
         )
 
     # --- prefill side: saves --------------------------------------------------------------

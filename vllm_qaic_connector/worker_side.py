@@ -335,7 +335,7 @@ class WorkerSide:
         blocks: set[int] = set()
         for g in groups:
             ids = spec.block_ids[g]
-            end = spec.remote.num_tokens if spec.remote else len(ids) * bs
+            end = spec.end or len(ids) * bs
             first = spec.start(g) // bs
             blocks.update(ids[first : blocks_for_tokens(end, bs)])
         return frozenset(blocks)
@@ -389,7 +389,7 @@ class WorkerSide:
                     t, shift = spec.start(self._group(i)), fmt.shift(i)
                     copied += copy_tokens(
                         src, src_blocks, dst, spec.block_ids[self._group(i)], t - shift,
-                        remote.num_tokens - shift, source.heads, dst_t0=t,
+                        spec.end - shift, source.heads, dst_t0=t,
                     )  # fmt: skip
                 if self.cfg.debug_corrupt_loaded_kv:
                     for i, dst in enumerate(self.layers):
@@ -398,7 +398,7 @@ class WorkerSide:
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
-            spec.request_id, frozenset(), remote.num_tokens - spec.first_token, copied,
+            spec.request_id, frozenset(), spec.end - spec.first_token, copied,
             ranks[0].engine_id, time.monotonic() - t0, reads,
         )  # fmt: skip
 
