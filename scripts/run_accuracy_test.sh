@@ -27,6 +27,7 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
 # Smaller than the prompts forces chunked prefill on the prefill instance.
 PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
+HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
 
@@ -116,6 +117,7 @@ serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args
   local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
               --max-model-len "$MAX_MODEL_LEN" --block-size "$bs" --seed 0)
   [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)
+  [ "$HMA" = 0 ] && args+=(--disable-hybrid-kv-cache-manager)
   [ -n "$ktc" ] && args+=(--kv-transfer-config "$ktc")
   args+=("$@")
   # `python -m vllm.entrypoints.openai.api_server` is `vllm serve` without the CLI's

@@ -6,9 +6,11 @@ import queue
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.kv_groups import KVGroup
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import QAICConnectorStats
@@ -35,7 +37,10 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
         torch.float32,
     )
     w = WorkerSide(
-        parse_config(args["extra"]), RankIdentity(args["engine"], rank, tp, total, "m"), geo
+        parse_config(args["extra"]),
+        RankIdentity(args["engine"], rank, tp, total, "m"),
+        geo,
+        hybrid_groups(args["block"], args.get("window", 0)),
     )
     kind = get_layout(args["layout"])
     gen = torch.Generator().manual_seed(seed)
@@ -49,6 +54,19 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
     return w
 
 
+def hybrid_groups(block: int, window: int) -> tuple[KVGroup, ...]:
+    """With a window: layer 0 sliding-window (group 0), layer 1 full attention (group 1)."""
+    if not window:
+        return ()
+    name = "model.layers.{}.self_attn.attn".format
+    return (KVGroup(block, window, (name(0),)), KVGroup(block, 0, (name(1),)))
+
+
+def by_group(w: WorkerSide, block_ids: tuple[list[int], ...], n: int) -> list[Any]:
+    """Each layer's first ``n`` tokens, read through its own group's blocks."""
+    return plain([gather_tokens(kv, block_ids[w._group(i)], n) for i, kv in enumerate(w.layers)])
+
+
 def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     w = make_worker(args, 100 + args["rank"])
     spec: SaveSpec = args["save"]
@@ -59,7 +77,7 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         torch.equal(k, bk) and torch.equal(v, bv)
         for (k, v), (bk, bv) in zip(w.layers, before, strict=True)
     )
-    ref = plain([gather_tokens(kv, spec.block_ids[0], spec.num_tokens) for kv in w.layers])
+    ref = by_group(w, spec.block_ids, spec.num_tokens)
     outbox.put({"meta": w.rank_meta, "ref": ref, "unchanged": unchanged})
     acks = []  # acknowledgements that arrive with the decode's reads (NIXL)
     deadline = time.monotonic() + 120
@@ -78,7 +96,8 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
 def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     w = make_worker(args, 200 + args["rank"])
     spec: LoadSpec = inbox.get(timeout=120)
-    before = plain([gather_tokens(kv, spec.block_ids[0], spec.first_token) for kv in w.layers])
+    before = by_group(w, spec.block_ids, spec.first_token)
+    null_before = plain([(k[0], v[0]) for k, v in w.layers])  # block 0: vLLM's null block
     w.bind(QAICConnectorMetadata(loads=[spec]))
     w.start_load_kv()
     deadline, done = time.monotonic() + 60, None
@@ -86,14 +105,20 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         _, done = w.get_finished()
         time.sleep(0.01)
     errors = w.get_block_ids_with_load_errors()
-    n = spec.remote.num_tokens if spec.remote else 0
-    got = plain([gather_tokens(kv, spec.block_ids[0], n) for kv in w.layers])
+    n = spec.end
+    got = by_group(w, spec.block_ids, n)
+    null_after = plain([(k[0], v[0]) for k, v in w.layers])
     outbox.put(
         {
             "done": done,
             "errors": errors,
             "got": got,
             "prefix_before": before,
+            "null_untouched": all(
+                np.array_equal(a, b)
+                for after, was in zip(null_after, null_before, strict=True)
+                for a, b in zip(after, was, strict=True)
+            ),
             "stats": (w.get_stats() or QAICConnectorStats()).data,
         }
     )

@@ -6,6 +6,7 @@ mode and with few prompts where the point is a layout path rather than concurren
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -153,18 +154,39 @@ def test_unsupported_combination_exits_with_one_line_reason():
     assert rc != 0 and "unsupported:" in out
 
 
-def test_other_model_gates_on_agreement(tmp_path):
-    """Any local HF model: here random weights and another geometry (3 layers, 4 KV heads,
-    head size 64); plain-text prompts, gated on greedy agreement alone."""
-    model = tmp_path / "random-llama"
-    subprocess.run(
-        [
-            str(ROOT / ".venv" / "bin" / "python"),
-            str(ROOT / "scripts" / "make_random_model.py"),
-            str(model),
-        ],
-        check=True,
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory) -> Path:
+    """Random weights, another architecture and geometry than the shipped model: Gemma3
+    text, 4 layers alternating sliding-window (64 tokens) and full attention, 2 KV heads of
+    64. vLLM's hybrid KV cache manager gives it two KV cache groups."""
+    model = tmp_path_factory.mktemp("models") / "random-gemma3"
+    script = str(ROOT / "scripts" / "make_random_model.py")
+    python = str(ROOT / ".venv" / "bin" / "python")
+    subprocess.run([python, script, str(model), "--arch", "gemma3"], check=True)
+    return model
+
+
+def test_hybrid_model_128_to_32_moves_only_the_window_tail(hybrid_model):
+    """Plain-text prompts of 60-300 tokens, gated on greedy agreement; HMA on both sides (two
+    KV cache groups), so the sliding-window layers move at most their window's blocks."""
+    rc, out = harness_leaves_nothing(
+        MODEL=str(hybrid_model), NUM_PROMPTS="16", PREFILL_BLOCK_SIZE="128", DECODE_BLOCK_SIZE="32"
     )
-    rc, out = harness_leaves_nothing(MODEL=str(model), NUM_PROMPTS="16", CONCURRENCY="8")
     m = last_line(out)
     assert rc == 0 and float(m.group(3)) == 100.0
+    cfg = json.loads((hybrid_model / "config.json").read_text())
+    # Full-length KV of every layer, bf16 (vLLM on CPU serves this float32 model in bf16).
+    full = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    moved = float(re.search(r"bytes_per_loaded_token=([\d.]+)", out).group(1))
+    print(f"[hybrid] bytes per loaded token {moved:.0f}, full-length KV {full}")
+    # Half the layers are full attention; the sliding ones move ~64-96 of 60-300 tokens.
+    assert full / 2 < moved < 0.85 * full
+
+
+def test_hybrid_model_negative_control_fails(hybrid_model):
+    rc, out = harness_leaves_nothing(
+        MODEL=str(hybrid_model), NUM_PROMPTS="8", PREFILL_BLOCK_SIZE="128",
+        DECODE_BLOCK_SIZE="32", NEGATIVE_CONTROL="1",
+    )  # fmt: skip
+    assert rc != 0 and "corrupted KV was detected" in out
+    assert float(last_line(out).group(3)) < 50.0  # zeroed KV: greedy answers diverge

@@ -14,7 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from tests.rank_worker import HEAD, LAYERS, decode_rank, make_worker, prefill_rank
+from tests.rank_worker import HEAD, LAYERS, decode_rank, hybrid_groups, make_worker, prefill_rank
+from vllm_qaic_connector.kv_groups import kept_start, load_starts, staged_starts, tokens_to_load
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory, check_ranks
 from vllm_qaic_connector.scheduler_side import LoadSpec, SaveSpec
@@ -62,12 +63,18 @@ def run_handoff(
     transport="shm",
     stale=0,
     holds_until=0.0,
+    window=0,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
     generation = (5 << 32) + 1
+    p_groups, d_groups = hybrid_groups(p_block, window), hybrid_groups(d_block, window)
+    starts = staged_starts(p_groups, num_tokens, p_block, (0, 0)) if window else (0,)
+    src_blocks = [list(range(n_src_blocks, 0, -1))] * len(starts)
+    if window:  # the sliding-window group has its own block table
+        src_blocks[0] = list(range(1, n_src_blocks + 1))
     save = SaveSpec(
-        "r1", (list(range(n_src_blocks, 0, -1)),), num_tokens, 4096, p_layout, p_block, generation
+        "r1", tuple(src_blocks), num_tokens, 4096, p_layout, p_block, generation, starts
     )
     procs, pre = start_ranks(
         prefill_rank,
@@ -79,6 +86,7 @@ def run_handoff(
             block=p_block,
             extra={"transport": transport},
             save=save,
+            window=window,
         ),
     )
     released: list[str] = []
@@ -108,6 +116,7 @@ def run_handoff(
         prompt_hash="0" * 32,  # the decode's scheduler checks it, not the worker
         lease_s=60.0,
         expires_at=time.time() + 60.0,
+        group_starts=starts if window else (),
     )
     dprocs, dec = start_ranks(
         decode_rank,
@@ -119,11 +128,22 @@ def run_handoff(
             block=d_block,
             extra={"transport": transport},
             head_size=d_head_size,
+            window=window,
         ),
     )
-    d_blocks = list(range(3, 3 + blocks_for_tokens(num_tokens, d_block)))
+    claimed = tokens_to_load(num_tokens, d_groups)
+    d_blocks = [list(range(3, 3 + blocks_for_tokens(claimed, d_block)))]
+    load = LoadSpec("d1", (d_blocks[0],), first_token, remote, holds_until=holds_until)
+    if window:  # the decode keeps the window's blocks; vLLM's null block (0) pads the rest
+        d_starts = load_starts(d_groups, claimed, first_token)
+        kept = kept_start(claimed, window, d_block) // d_block
+        sliding = [0] * kept + [22 - i for i in range(len(d_blocks[0]) - kept)]
+        load = LoadSpec(
+            "d1", (sliding, d_blocks[0]), first_token, remote, None, holds_until, d_starts,
+            claimed,
+        )  # fmt: skip
     for q in dec:
-        q[0].put(LoadSpec("d1", (d_blocks,), first_token, remote, holds_until=holds_until))
+        q[0].put(load)
     outs = [q[1].get(timeout=180) for q in dec]
     for q in pre:
         q[0].put("exit")
@@ -340,3 +360,37 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches():
             assert not any(s < hi and lo < s + n for s, n in registered), "a KV cache is exposed"
     finally:
         w.shutdown()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, window, transport
+        (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, 40, "shm"),
+        (4, 1, 2, "vllm_cpu", 64, "vllm_cpu", 32, 190, 50, "nixl"),
+    ],
+    ids=["shm-P2x32-D1x16", "nixl-P1x64-D2x32"],
+)
+def test_hybrid_groups_move_the_windows_tail_and_the_whole_prompt(case):
+    """Layer 0 is sliding-window, layer 1 full attention, each group with its own block table
+    on both sides; block sizes and TP differ. Only the window's blocks of layer 0 move."""
+    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, window, transport = case
+    results, outs, released = run_handoff(
+        total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, transport=transport,
+        window=window,
+    )  # fmt: skip
+    claimed = n - 1  # the decode recomputes the last prompt token
+    start = kept_start(claimed, window, d_block)
+    assert start > 0  # the case has blocks outside the window
+    for d_rank, out in enumerate(outs):
+        assert out["done"] == {"d1"} and out["errors"] == set()
+        assert out["null_untouched"], "a load wrote into vLLM's null block"
+        mine = heads_of_rank(total, d_tp, d_rank)
+        for kv in range(2):
+            full = full_heads(results, total, p_tp, 1, kv)[mine.start : mine.stop]
+            assert np.array_equal(out["got"][1][kv][:, :claimed], full[:, :claimed])
+            tail = full_heads(results, total, p_tp, 0, kv)[mine.start : mine.stop]
+            assert np.array_equal(out["got"][0][kv][:, start:claimed], tail[:, start:claimed])
+        per_token = 2 * len(mine) * HEAD * 4
+        assert out["stats"]["bytes_copied"] == per_token * (claimed + claimed - start)
+    assert [r.split("@")[0] for r in released] == ["r1"] * d_tp  # over NIXL: "r1@rank/tp"
