@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -26,14 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def llama(base: LlamaConfig) -> PreTrainedModel:
-    cfg = LlamaConfig(
+def shared(base: LlamaConfig) -> dict[str, Any]:
+    """Sizes both architectures use, and the shipped model's vocabulary and special ids."""
+    return dict(
         vocab_size=base.vocab_size,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=3,
         num_attention_heads=4,
-        num_key_value_heads=4,
         head_dim=64,
         max_position_embeddings=1024,
         bos_token_id=base.bos_token_id,
@@ -41,27 +41,22 @@ def llama(base: LlamaConfig) -> PreTrainedModel:
         pad_token_id=base.pad_token_id,
         torch_dtype="float32",
     )
-    return LlamaForCausalLM(cfg)
+
+
+def llama(base: LlamaConfig) -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**shared(base), num_hidden_layers=3, num_key_value_heads=4))
 
 
 def gemma3(base: LlamaConfig) -> PreTrainedModel:
+    """Layers alternate sliding-window (64 tokens) and full attention: two KV cache groups."""
     cfg = Gemma3TextConfig(
-        vocab_size=base.vocab_size,
-        hidden_size=256,
-        intermediate_size=512,
+        **shared(base),
         num_hidden_layers=4,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention"] * 2,
-        max_position_embeddings=1024,
-        bos_token_id=base.bos_token_id,
-        eos_token_id=base.eos_token_id,
-        pad_token_id=base.pad_token_id,
         architectures=["Gemma3ForCausalLM"],
-        torch_dtype="float32",
     )
     return Gemma3ForCausalLM(cfg)
 

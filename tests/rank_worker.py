@@ -86,7 +86,8 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         acks += [(a.request_ids[0], a.reader_rank, a.reader_tp) for a in meta.acks] if meta else []
         try:
             inbox.get(timeout=0.05)
-            break
+            # A notification may trail the read it rides on: keep listening a moment.
+            deadline = min(deadline, time.monotonic() + 1.0)
         except queue.Empty:
             pass
     outbox.put({"acks": acks})

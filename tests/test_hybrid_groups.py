@@ -3,6 +3,7 @@ the scheduler half inside real vLLM Schedulers whose KV cache has a sliding-wind
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -100,3 +101,17 @@ def test_staged_starts_never_go_before_what_the_prefill_still_holds():
     groups = (KVGroup(16, 32, ("a",)), KVGroup(16, 0, ("b",)))
     assert staged_starts(groups, 300, 128, (0, 0)) == (256, 0)
     assert staged_starts(groups, 300, 128, (260, 0)) == (260, 0)
+
+
+def test_a_failed_load_reports_each_groups_blocks_and_never_the_null_block():
+    from tests.rank_worker import make_worker
+    from vllm_qaic_connector.scheduler_side import LoadSpec
+
+    args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu", window=WINDOW)
+    worker = make_worker({**args, "engine": f"hy{os.getpid()}", "extra": {}}, seed=1)
+    try:
+        sliding, full = [0, 0, 0, 0, 9, 8, 7], [1, 2, 3, 4, 5, 6, 7]  # 0: vLLM's null block
+        spec = LoadSpec("d1", (sliding, full), 0, None, "bad", starts=(64, 0), claimed=99)
+        assert worker._failed(spec, "bad").failed_blocks == {1, 2, 3, 4, 5, 6, 7, 8, 9}
+    finally:
+        worker.shutdown()

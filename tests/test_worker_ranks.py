@@ -365,32 +365,35 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches():
 @pytest.mark.parametrize(
     "case",
     [
-        # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, window, transport
-        (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, 40, "shm"),
-        (4, 1, 2, "vllm_cpu", 64, "vllm_cpu", 32, 190, 50, "nixl"),
+        # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, window, transport,
+        # first token the decode computes itself (a local prefix-cache hit)
+        (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, 40, "shm", 0),
+        (4, 1, 2, "vllm_cpu", 64, "vllm_cpu", 32, 190, 50, "nixl", 0),
+        (4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 200, 64, "shm", 160),
     ],
-    ids=["shm-P2x32-D1x16", "nixl-P1x64-D2x32"],
+    ids=["shm-P2x32-D1x16", "nixl-P1x64-D2x32", "shm-prefix-hit-past-window-start"],
 )
 def test_hybrid_groups_move_the_windows_tail_and_the_whole_prompt(case):
     """Layer 0 is sliding-window, layer 1 full attention, each group with its own block table
     on both sides; block sizes and TP differ. Only the window's blocks of layer 0 move."""
-    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, window, transport = case
+    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, window, transport, first = case
     results, outs, released = run_handoff(
         total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, transport=transport,
-        window=window,
+        window=window, first_token=first,
     )  # fmt: skip
     claimed = n - 1  # the decode recomputes the last prompt token
-    start = kept_start(claimed, window, d_block)
-    assert start > 0  # the case has blocks outside the window
+    start = max(kept_start(claimed, window, d_block), first)
+    assert kept_start(claimed, window, d_block) > 0  # the case has blocks outside the window
     for d_rank, out in enumerate(outs):
         assert out["done"] == {"d1"} and out["errors"] == set()
         assert out["null_untouched"], "a load wrote into vLLM's null block"
         mine = heads_of_rank(total, d_tp, d_rank)
         for kv in range(2):
             full = full_heads(results, total, p_tp, 1, kv)[mine.start : mine.stop]
-            assert np.array_equal(out["got"][1][kv][:, :claimed], full[:, :claimed])
+            assert np.array_equal(out["got"][1][kv][:, first:claimed], full[:, first:claimed])
+            assert np.array_equal(out["got"][1][kv][:, :first], out["prefix_before"][1][kv])
             tail = full_heads(results, total, p_tp, 0, kv)[mine.start : mine.stop]
             assert np.array_equal(out["got"][0][kv][:, start:claimed], tail[:, start:claimed])
         per_token = 2 * len(mine) * HEAD * 4
-        assert out["stats"]["bytes_copied"] == per_token * (claimed + claimed - start)
+        assert out["stats"]["bytes_copied"] == per_token * (claimed - first + claimed - start)
     assert [r.split("@")[0] for r in released] == ["r1"] * d_tp  # over NIXL: "r1@rank/tp"
