@@ -4,6 +4,7 @@ the scheduler half inside real vLLM Schedulers whose KV cache has a sliding-wind
 from __future__ import annotations
 
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -103,9 +104,9 @@ def test_staged_starts_never_go_before_what_the_prefill_still_holds():
     assert staged_starts(groups, 300, 128, (260, 0)) == (260, 0)
 
 
-def test_a_failed_load_reports_each_groups_blocks_and_never_the_null_block():
+def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
     from tests.rank_worker import make_worker
-    from vllm_qaic_connector.scheduler_side import LoadSpec
+    from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata
 
     args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu", window=WINDOW)
     worker = make_worker({**args, "engine": f"hy{os.getpid()}", "extra": {}}, seed=1)
@@ -113,5 +114,13 @@ def test_a_failed_load_reports_each_groups_blocks_and_never_the_null_block():
         sliding, full = [0, 0, 0, 0, 9, 8, 7], [1, 2, 3, 4, 5, 6, 7]  # 0: vLLM's null block
         spec = LoadSpec("d1", (sliding, full), 0, None, "bad", starts=(64, 0), claimed=99)
         assert worker._failed(spec, "bad").failed_blocks == {1, 2, 3, 4, 5, 6, 7, 8, 9}
+        # Through the worker's step: block ids are per group, so vLLM is told by request id.
+        worker.bind(QAICConnectorMetadata(loads=[spec]))
+        worker.start_load_kv()
+        deadline, done = time.monotonic() + 10, None
+        while not done and time.monotonic() < deadline:
+            _, done = worker.get_finished()
+        assert done == {"d1"} and worker.take_failed_requests() == {"d1"}
+        assert worker.get_block_ids_with_load_errors() == set()
     finally:
         worker.shutdown()

@@ -147,6 +147,9 @@ class WorkerSide:
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
         self._headers: RegionHeaders | None = None
         self._load_errors: set[int] = set()
+        # With several KV cache groups block ids are not unique, so vLLM takes failed
+        # loads by request id (failed_recving) instead of by block.
+        self._failed_requests: set[str] = set()
         self._stats = QAICConnectorStats()
         self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
@@ -439,8 +442,11 @@ class WorkerSide:
             done.add(result.request_id)
             with self._stats_lock:
                 if result.failed_blocks:
-                    self._load_errors |= result.failed_blocks
                     self._stats.add("load_failures")
+                    if len(self.groups) > 1:
+                        self._failed_requests.add(result.request_id)
+                    else:
+                        self._load_errors |= result.failed_blocks
                 else:
                     self._stats.add("loaded_requests")
                     self._stats.add(PER_PEER_PREFIX + result.source_engine)
@@ -449,6 +455,10 @@ class WorkerSide:
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.sample("load_seconds", result.seconds)
         return None, done or None
+
+    def take_failed_requests(self) -> set[str]:
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
