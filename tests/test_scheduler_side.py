@@ -77,7 +77,7 @@ def test_prefill_stages_whole_prompt_and_returns_params(prefill):
     assert not pool.has("p1") and pool.pages_in_use == 0
 
 
-def test_chunked_prefill_saves_once_when_prompt_completes():
+def test_chunked_prefill_stages_each_chunk_and_seals_with_the_last():
     sched = make_scheduler("kv_producer", BS, max_batched=32)
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     try:
@@ -86,9 +86,13 @@ def test_chunked_prefill_saves_once_when_prompt_completes():
         for _ in range(3):
             out, _ = step(sched)
             saves_per_step.append(meta(out).saves)
-        assert [len(s) for s in saves_per_step] == [0, 0, 1]
-        spec = saves_per_step[2][0]
-        assert spec.num_tokens == 70 and len(spec.block_ids[0]) == 5
+        assert [len(s) for s in saves_per_step] == [1, 1, 1]
+        parts = [s[0] for s in saves_per_step]
+        # Chunks of 32 tokens, each staged as it is computed; only the last seals.
+        assert [(p.first, p.last) for p in parts] == [(0, 32), (32, 64), (64, 70)]
+        assert [bool(p.generation) for p in parts] == [False, False, True]
+        assert len({p.staging_offset for p in parts}) == 1
+        assert parts[2].num_tokens == 70 and len(parts[2].block_ids[0]) == 5
     finally:
         sched.connector.shutdown()
 

@@ -66,7 +66,10 @@ class SaveSpec:
     """Stage tokens ``[starts[g], num_tokens)`` of each KV cache group ``g``, held in
     ``block_ids[g]``, at ``staging_offset``, laid out as ``layout_kind`` blocks of
     ``block_size`` tokens (the decode's, when it is known), under a header holding
-    ``generation``."""
+    ``generation``. A chunked prompt is staged chunk by chunk as it is computed (a
+    sliding-window group drops its early blocks before the prompt ends): this save
+    copies tokens ``[first, last)`` of that range, and only the last one (generation set)
+    seals the header."""
 
     request_id: str
     block_ids: tuple[list[int], ...]
@@ -76,6 +79,8 @@ class SaveSpec:
     block_size: int
     generation: int
     starts: tuple[int, ...] = (0,)
+    first: int = 0
+    last: int = 0  # 0: num_tokens
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,8 @@ class _Outgoing:
     offset: int | None = None
     generation: int = 0
     error: str | None = None
+    starts: tuple[int, ...] | None = None  # first staged token per group, fixed at its first save
+    saved_to: int = 0  # tokens staged so far
 
 
 class SchedulerSide:
@@ -383,42 +390,56 @@ class SchedulerSide:
         saves = []
         for rid, req in list(self._to_save.items()):
             scheduled = out.num_scheduled_tokens.get(rid, 0)
-            # build_connector_meta runs before the scheduler advances num_computed_tokens.
-            if scheduled == 0 or req.num_computed_tokens + scheduled < req.num_prompt_tokens:
+            if scheduled == 0:
                 continue
-            del self._to_save[rid]
+            # build_connector_meta runs before the scheduler advances num_computed_tokens.
+            last = min(req.num_computed_tokens + scheduled, req.num_prompt_tokens)
+            final = last >= req.num_prompt_tokens
+            if final:
+                del self._to_save[rid]
             outgoing = self._outgoing.get(rid)
             if outgoing is None or outgoing.offset is None or outgoing.target is None:
                 continue  # no staging (its error travels back in request_finished)
             if not self.pool.renew(rid):
                 outgoing.error = "staging lease expired before the prompt finished"
+                self._to_save.pop(rid, None)
                 continue
-            assert self._kv_cache_manager is not None
-            num_tokens = req.num_prompt_tokens
-            null = self._kv_cache_manager.block_pool.null_block.block_id
-            block_ids = tuple(
-                list(ids[: blocks_for_tokens(num_tokens, g.block_size)])
-                for g, ids in zip(
-                    self.groups, self._kv_cache_manager.get_block_ids(rid), strict=True
-                )
+            spec = self._save_spec(req, outgoing, last, final)
+            outgoing.saved_to = last
+            if final:
+                self._staged[rid] = spec
+            saves.append(spec)
+        return saves
+
+    def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
+        assert self._kv_cache_manager is not None and out.offset is not None
+        assert out.target is not None
+        num_tokens = req.num_prompt_tokens
+        block_ids = tuple(
+            list(ids[: blocks_for_tokens(num_tokens, g.block_size)])
+            for g, ids in zip(
+                self.groups, self._kv_cache_manager.get_block_ids(req.request_id), strict=True
             )
+        )
+        if out.starts is None:
+            null = self._kv_cache_manager.block_pool.null_block.block_id
             held = tuple(
                 held_start(ids, null, g.block_size)
                 for g, ids in zip(self.groups, block_ids, strict=True)
             )
-            spec = SaveSpec(
-                rid,
-                block_ids,
-                num_tokens,
-                outgoing.offset,
-                outgoing.target.layout_kind,
-                outgoing.target.block_size,
-                outgoing.generation,
-                staged_starts(self.groups, num_tokens, outgoing.target.block_size, held),
-            )
-            self._staged[rid] = spec
-            saves.append(spec)
-        return saves
+            out.starts = staged_starts(self.groups, num_tokens, out.target.block_size, held)
+        return SaveSpec(
+            req.request_id,
+            block_ids,
+            num_tokens,
+            out.offset,
+            out.target.layout_kind,
+            out.target.block_size,
+            out.generation if final else 0,
+            out.starts,
+            out.saved_to,
+            last,
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self._expire_leases()

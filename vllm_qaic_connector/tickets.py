@@ -76,7 +76,8 @@ class RegionHeaders:
 
     @contextmanager
     def writing(self, start: int, end: int, generation: int) -> Iterator[torch.Tensor]:
-        """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed on success."""
+        """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed on success
+        (generation 0: a part of the region, left unsealed until its last part)."""
         i = bisect.bisect_left(self._starts, start)
         if i > 0 and self._ends[self._starts[i - 1]] > start:
             i -= 1
@@ -85,9 +86,10 @@ class RegionHeaders:
         header = self._staging[start : start + HEADER_BYTES]
         seal(header, 0)  # a header from an earlier, shifted region may lie inside
         yield self._staging[start + HEADER_BYTES : end]
-        seal(header, generation)
-        bisect.insort(self._starts, start)
-        self._ends[start] = end
+        if generation:
+            seal(header, generation)
+            bisect.insort(self._starts, start)
+            self._ends[start] = end
 
     def invalidate(self, start: int) -> None:
         if self._ends.pop(start, None) is not None:

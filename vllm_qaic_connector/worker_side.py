@@ -275,15 +275,18 @@ class WorkerSide:
         written, t0 = 0, time.monotonic()
         with self._headers.writing(start, end, spec.generation) as region:
             views = fmt.layer_views(region, spec.num_tokens)
+            last = spec.last or spec.num_tokens
             for i, (src, dst) in enumerate(zip(self.layers, views, strict=True)):
-                t = spec.starts[self._group(i)]  # staging holds the layer from fmt.shift(i)
-                written += copy_tokens(
-                    src, spec.block_ids[self._group(i)], dst, staged_blocks, t,
-                    spec.num_tokens, dst_t0=t - fmt.shift(i),
-                )  # fmt: skip
+                t = max(spec.starts[self._group(i)], spec.first)  # staged from fmt.shift(i)
+                if t < last:
+                    written += copy_tokens(
+                        src, spec.block_ids[self._group(i)], dst, staged_blocks, t, last,
+                        dst_t0=t - fmt.shift(i),
+                    )  # fmt: skip
         with self._stats_lock:
-            self._stats.add("saved_requests")
-            self._stats.add("saved_tokens", spec.num_tokens)
+            if spec.generation:  # the prompt's last part
+                self._stats.add("saved_requests")
+                self._stats.add("saved_tokens", spec.num_tokens)
             self._stats.add("bytes_copied", written)
             self._stats.sample("save_seconds", time.monotonic() - t0)
 
