@@ -114,6 +114,16 @@ def layer_groups(groups: Sequence[KVGroup], layer_names: Sequence[str]) -> tuple
     return tuple(group_of.get(name, 0) for name in layer_names)
 
 
+def layer_starts(
+    group_starts: Sequence[int], groups_of_layers: Sequence[int], num_layers: int
+) -> tuple[int, ...]:
+    """Each layer's first staged token, from its group's (empty: every layer from 0)."""
+    firsts = tuple(
+        group_starts[groups_of_layers[i] if groups_of_layers else 0] for i in range(num_layers)
+    )
+    return firsts if any(firsts) else ()
+
+
 def ordered_layers(groups: Sequence[KVGroup]) -> list[str]:
     """Every layer by its index in the model: the order both sides stage layers in."""
     from vllm.model_executor.models.utils import extract_layer_index

@@ -19,6 +19,7 @@ from vllm_qaic_connector.kv_groups import (
     groups_of,
     held_start,
     layer_groups,
+    layer_starts,
     load_starts,
     ordered_layers,
     staged_starts,
@@ -380,7 +381,7 @@ class SchedulerSide:
             target.layout_kind,
             dataclasses.replace(self.geometry, block_size=target.block_size),
             len(self.layer_groups),
-            tuple(starts[g] for g in self.layer_groups),
+            layer_starts(starts, self.layer_groups, len(self.layer_groups)),
         )
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:

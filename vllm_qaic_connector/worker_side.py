@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
-from vllm_qaic_connector.kv_groups import KVGroup, groups_of, layer_groups
+from vllm_qaic_connector.kv_groups import KVGroup, groups_of, layer_groups, layer_starts
 from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
@@ -297,8 +297,8 @@ class WorkerSide:
         self, kind: str, geometry: KVGeometry, num_layers: int, group_starts: tuple[int, ...]
     ) -> StagingFormat:
         """A staged request's format; ``group_starts``: its first staged token per group."""
-        firsts = tuple(group_starts[self._group(i)] for i in range(num_layers))
-        return StagingFormat(kind, geometry, num_layers, firsts if any(firsts) else ())
+        firsts = layer_starts(group_starts, self.layer_groups, num_layers)
+        return StagingFormat(kind, geometry, num_layers, firsts)
 
     # --- loads --------------------------------------------------------------------------------
 
