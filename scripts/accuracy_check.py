@@ -52,6 +52,8 @@ async def run(args: argparse.Namespace) -> None:
             "temperature": 0.0,
             "seed": 0,
         }
+        if args.cache_salt:
+            body["cache_salt"] = args.cache_salt
         async with sem, session.post(args.url + "/v1/completions", json=body) as resp:
             payload = await resp.json(content_type=None)
         if resp.status != 200:
@@ -178,6 +180,9 @@ def main() -> int:
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--label", default="run")
+    r.add_argument(
+        "--cache-salt", default=None, help="keeps these requests out of other requests' prefix cache"
+    )
     r.add_argument("--out", required=True)
     v = sub.add_parser("verdict")
     v.add_argument("--disagg", required=True)

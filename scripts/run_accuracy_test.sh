@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefill/decode handoff between two `vllm serve` instances through QAICConnector, checked
-# against one aggregated instance. Last line:
+# against the same prompts served aggregated (prefill and decode) by the prefill instance. Last line:
 #   accuracy: disagg=X aggregated=Y agreement=Z% prompts=N transport=T
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -89,7 +89,7 @@ trap 'exit 130' INT TERM
 
 # All ports in one pick, below the ephemeral range: vLLM's own zmq binds (to port 0) cannot take
 # one between the pick and its use.
-mapfile -t PORTS < <(cd "$ROOT" && "$PY" -m tests.ports $((NUM_PREFILL_INSTANCES + 2 * NUM_DECODE_INSTANCES + 2)))
+mapfile -t PORTS < <(cd "$ROOT" && "$PY" -m tests.ports $((NUM_PREFILL_INSTANCES + 2 * NUM_DECODE_INSTANCES + 1)))
 next_port() { NEXT_PORT=${PORTS[0]}; PORTS=("${PORTS[@]:1}"); }
 P_PORTS=(); D_PORTS=(); D_KV_PORTS=()
 for _ in $(seq "$NUM_PREFILL_INSTANCES"); do next_port; P_PORTS+=("$NEXT_PORT"); done
@@ -97,7 +97,7 @@ for _ in $(seq "$NUM_DECODE_INSTANCES"); do
   next_port; D_PORTS+=("$NEXT_PORT"); next_port; D_KV_PORTS+=("$NEXT_PORT")
 done
 P_PORT=${P_PORTS[0]}; D_PORT=${D_PORTS[0]}; D_KV_PORT=${D_KV_PORTS[0]}
-next_port; A_PORT=$NEXT_PORT; next_port; X_PORT=$NEXT_PORT
+next_port; X_PORT=$NEXT_PORT
 # STAGE_AT=prefill: the proxy names the decode, so the prefill stages in its layout.
 # STAGE_AT=decode: the prefill stages in its own layout and the decode converts.
 STAGE_AT=${STAGE_AT:-prefill}
@@ -174,7 +174,6 @@ for j in "${!D_PORTS[@]}"; do
 done
 PROXY_ARGS+=(--decode "${DECODE_URLS[@]}")
 [ "$STAGE_AT" = prefill ] && PROXY_ARGS+=(--decode-kv "${DECODE_KVS[@]}")
-serve aggregated 0 "$A_PORT" "$PREFILL_BLOCK_SIZE" "" "${DTYPE_ARGS[@]}"
 "${OWN_GROUP[@]}" "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 PIDS+=($!)
 
@@ -191,13 +190,16 @@ wait_ready() {  # name port
 }
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
-wait_ready aggregated "$A_PORT"; wait_ready proxy "$X_PORT"
+wait_ready proxy "$X_PORT"
 
-run_prompts() {  # label url out
+run_prompts() {  # label url out [extra args]
   "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
-    --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --out "$3"
+    --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --out "$3" "${@:4}"
 }
-run_prompts aggregated "http://127.0.0.1:$A_PORT" "$RUN_DIR/agg.json"
+# The reference: the prefill instance serves the prompts itself (a plain request leaves its
+# connector idle), salted so that it shares no prefix-cache block with the handoffs. One
+# server fewer than a separate aggregated instance: start-up is most of a run's time here.
+run_prompts aggregated "http://127.0.0.1:$P_PORT" "$RUN_DIR/agg.json" --cache-salt reference
 run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json"
 sleep 1  # let the last step's connector stats reach the metrics endpoint
 METRICS=()
