@@ -180,9 +180,7 @@ def main() -> int:
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--timeout", type=float, default=900)
     r.add_argument("--label", default="run")
-    r.add_argument(
-        "--cache-salt", default=None, help="keeps these requests out of other requests' prefix cache"
-    )
+    r.add_argument("--cache-salt", default=None, help="no prefix-cache sharing with other runs")
     r.add_argument("--out", required=True)
     v = sub.add_parser("verdict")
     v.add_argument("--disagg", required=True)

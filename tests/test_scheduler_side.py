@@ -67,9 +67,16 @@ def test_prefill_stages_whole_prompt_and_returns_params(prefill):
     assert params["do_remote_prefill"] is True
     assert params["num_tokens"] == 45 and params["remote_request_id"] == "p1"
     assert params["staging_offset"] == saves[0].staging_offset
-    # The save ran in the step, so blocks are back; the staging lease is held.
+    # The save runs after the step, on the worker's thread: vLLM holds the blocks until
+    # the worker says the save is done, and the worker learns which requests to report
+    # from the next step's metadata.
+    assert free_blocks(prefill) < free_before
+    out, _ = step(prefill)
+    assert meta(out).await_saves == ["p1"] and meta(out).saves == []
+    assert free_blocks(prefill) < free_before
+    step(prefill, KVConnectorOutput(finished_sending={"p1"}))
     assert free_blocks(prefill) == free_before
-    assert pool.has("p1")
+    assert pool.has("p1")  # the staging lease outlives the blocks
     # The decode releases it over the real side channel.
     side_channel.call(
         params["remote_host"], params["remote_port"], ReleaseRequest(["p1"]), None, 5.0
@@ -93,6 +100,24 @@ def test_chunked_prefill_stages_each_chunk_and_seals_with_the_last():
         assert [bool(p.generation) for p in parts] == [False, False, True]
         assert len({p.staging_offset for p in parts}) == 1
         assert parts[2].num_tokens == 70 and len(parts[2].block_ids[0]) == 5
+    finally:
+        sched.connector.shutdown()
+
+
+def test_a_prompt_aborted_after_its_first_chunk_holds_its_blocks_for_that_save():
+    sched = make_scheduler("kv_producer", BS, max_batched=32)
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        free_before = free_blocks(sched)
+        sched.add_request(make_request("c1", 70, {"do_remote_decode": True}))
+        out, _ = step(sched)
+        assert [s.generation for s in meta(out).saves] == [0]  # a chunk, on the save thread
+        sched.finish_requests("c1", RequestStatus.FINISHED_ABORTED)
+        assert sched.connector.scheduler.pool.pages_in_use == 0  # nobody will read it
+        out, _ = step(sched)
+        assert meta(out).await_saves == ["c1"] and free_blocks(sched) < free_before
+        step(sched, KVConnectorOutput(finished_sending={"c1"}))
+        assert free_blocks(sched) == free_before
     finally:
         sched.connector.shutdown()
 
@@ -137,7 +162,7 @@ def test_full_pool_gives_a_clear_error_after_the_bounded_wait():
         assert params_of(outputs, "f1")["do_remote_prefill"] is True
         err = params_of(outputs, "f2")
         assert err["do_remote_prefill"] is False and "staging pool full" in err["error"]
-        assert free_blocks(sched) == free_before
+        assert free_blocks(sched) == free_before - 1  # f1's block, held for its save
         assert sched.connector.scheduler.pool.pages_in_use == 1  # only f1's lease
     finally:
         sched.connector.shutdown()

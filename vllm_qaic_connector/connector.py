@@ -82,9 +82,11 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         return self._w().get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        _, done = self._w().get_finished()
+        sent, done = self._w().get_finished()
         return KVConnectorTransferResults(
-            finished_recving=done or set(), failed_recving=self._w().take_failed_requests()
+            finished_sending=sent or set(),
+            finished_recving=done or set(),
+            failed_recving=self._w().take_failed_requests(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:

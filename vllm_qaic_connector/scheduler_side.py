@@ -113,6 +113,9 @@ class QAICConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     # Staged regions given up (released, expired) whose headers the worker invalidates.
     invalidate: list[int] = field(default_factory=list)
+    # Finished requests whose blocks vLLM holds until the worker's saves from them are
+    # done: the worker reports each as finished sending then.
+    await_saves: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ class SchedulerSide:
         self._pending_loads: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._outgoing: dict[str, _Outgoing] = {}
+        self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
         # (decode rank, prefill rank) reads acknowledged, per staged request
         self._acks: dict[str, set[tuple[int, int]]] = {}
         self._acks_lock = threading.Lock()
@@ -448,7 +452,9 @@ class SchedulerSide:
             saves=self._saves_for_step(scheduler_output),
             loads=list(self._pending_loads.values()),
             invalidate=self.pool.drain_freed(),
+            await_saves=self._await_saves,
         )
+        self._await_saves = []
         self._loading.update(self._pending_loads)
         self._pending_loads.clear()
         return meta
@@ -474,18 +480,23 @@ class SchedulerSide:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
             # when the worker reports the load finished.
             return True, None
+        # Saves run on the worker's own thread, after the step: the blocks they read stay
+        # held until the worker reports them finished sending.
+        hold = out is not None and out.saved_to > 0
+        if hold:
+            self._await_saves.append(rid)
         spec = self._staged.pop(rid, None)
         if spec is None:
-            self.pool.release(rid)  # reserved, never staged
+            self.pool.release(rid)  # reserved, never (wholly) staged
             if out is not None and out.error is not None:
-                return False, {"do_remote_prefill": False, "error": out.error}
-            return False, None
+                return hold, {"do_remote_prefill": False, "error": out.error}
+            return hold, None
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
             self.pool.release(rid)  # aborted: nobody will come for it
-            return False, None
+            return hold, None
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -505,8 +516,7 @@ class SchedulerSide:
         )
         if self._key is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, self._key))
-        # The save ran in the step that finished the prompt, so the blocks can go now.
-        return False, msgspec.to_builtins(params)
+        return True, msgspec.to_builtins(params)
 
     def pool_stats(self) -> QAICConnectorStats:
         stats = QAICConnectorStats()

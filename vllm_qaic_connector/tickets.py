@@ -6,6 +6,10 @@ of the prompt's token ids). The writer zeroes a region's header before anything 
 its bytes (reuse) or when it is given up (release, lease expiry); a reader checks the header
 before and after its copy, seqlock style. So a read that raced a reuse, or came after the
 region was given up, is detected and becomes a load error, never wrong tokens.
+
+Saves run off the engine's step, so a ticket can reach a decode before its region is
+written. The engine thread promises the generation in the header (a third word) when it
+hands the save over; a reader that finds the promise waits, bounded, for the seal.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import secrets
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -24,6 +30,7 @@ from vllm_qaic_connector.wire import TransportEndpoint
 
 HEADER_BYTES = 64  # keeps the KV after it cache-line aligned
 MAGIC = 0x3130564B43494151  # b"QAICKV01", little-endian
+SEAL_WAIT_S = 10.0  # how long a reader waits for a promised region to be sealed
 
 
 class StaleTicket(ConnectionError):
@@ -52,49 +59,75 @@ class Generations:
 
 
 def _words(header: torch.Tensor) -> torch.Tensor:
-    return header[:16].view(torch.int64)
+    return header[:24].view(torch.int64)  # magic, generation, promised generation
 
 
 def header_generation(header: torch.Tensor) -> int:
     """The generation a region's header holds; 0 if it holds none."""
-    magic, generation = (int(w) for w in _words(header).tolist())
+    magic, generation, _ = (int(w) for w in _words(header).tolist())
     return generation if magic == MAGIC else 0
 
 
+def promised_generation(header: torch.Tensor) -> int:
+    """The generation a save in flight will seal the region with; 0 if none."""
+    return int(_words(header)[2])
+
+
 def seal(header: torch.Tensor, generation: int) -> None:
-    _words(header).copy_(torch.tensor([MAGIC, generation], dtype=torch.int64))
+    """Writes the header; a final seal (generation set) also fulfils the promise, while
+    an unsealing one leaves the promise word alone (the engine thread may be writing it)."""
+    words = [MAGIC, generation, 0] if generation else [MAGIC, 0]
+    _words(header)[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
 
 
 class RegionHeaders:
     """The writer's side: which staged regions hold a live header, so that any write into a
-    region's bytes first invalidates its header."""
+    region's bytes first invalidates its header. The engine thread invalidates and promises
+    while the save thread writes, hence the lock."""
 
     def __init__(self, staging: torch.Tensor) -> None:
         self._staging = staging
         self._starts: list[int] = []  # sorted starts of live regions
         self._ends: dict[int, int] = {}
+        self._lock = threading.Lock()
 
     @contextmanager
     def writing(self, start: int, end: int, generation: int) -> Iterator[torch.Tensor]:
         """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed on success
         (generation 0: a part of the region, left unsealed until its last part)."""
-        i = bisect.bisect_left(self._starts, start)
-        if i > 0 and self._ends[self._starts[i - 1]] > start:
-            i -= 1
-        while i < len(self._starts) and self._starts[i] < end:
-            self.invalidate(self._starts[i])
         header = self._staging[start : start + HEADER_BYTES]
-        seal(header, 0)  # a header from an earlier, shifted region may lie inside
+        with self._lock:
+            i = bisect.bisect_left(self._starts, start)
+            if i > 0 and self._ends[self._starts[i - 1]] > start:
+                i -= 1
+            while i < len(self._starts) and self._starts[i] < end:
+                self._invalidate(self._starts[i])
+            seal(header, 0)  # a header from an earlier, shifted region may lie inside
         yield self._staging[start + HEADER_BYTES : end]
         if generation:
-            seal(header, generation)
-            bisect.insort(self._starts, start)
-            self._ends[start] = end
+            with self._lock:
+                seal(header, generation)
+                bisect.insort(self._starts, start)
+                self._ends[start] = end
 
     def invalidate(self, start: int) -> None:
+        with self._lock:
+            self._invalidate(start)
+
+    def _invalidate(self, start: int) -> None:
         if self._ends.pop(start, None) is not None:
             self._starts.remove(start)
-            seal(self._staging[start : start + HEADER_BYTES], 0)
+            self.abandon(start)
+
+    def promise(self, start: int, generation: int) -> None:
+        """Readers of ``generation`` at ``start`` wait for its seal (the save is queued).
+        Touches only the promise word, so the engine thread may call it while the save
+        thread writes other regions."""
+        _words(self._staging[start : start + HEADER_BYTES])[2] = generation
+
+    def abandon(self, start: int) -> None:
+        """No live KV and no promise: readers fail at once."""
+        _words(self._staging[start : start + HEADER_BYTES]).zero_()
 
 
 @contextmanager
@@ -110,6 +143,10 @@ def checked_read(
     ``generation`` both before the read and after the caller's copy. ``notify`` travels
     with the final header read, so the prefill frees the region only after both checks."""
     region = transport.read(peer, offset, HEADER_BYTES + nbytes)
+    if not _sealed(region[:HEADER_BYTES], generation):
+        transport.release_read(peer, offset)
+        _await_seal(transport, peer, offset, generation)
+        region = transport.read(peer, offset, HEADER_BYTES + nbytes)
     try:
         _expect(header_generation(region[:HEADER_BYTES]), generation, "before the copy")
         yield region[HEADER_BYTES:]
@@ -128,13 +165,36 @@ def checked_region(
 ) -> Iterator[None]:
     """``checked_read`` for a caller that moves the bytes itself (a READ straight into its
     own memory): the header is checked before and after the body of the ``with``."""
-    header = transport.read(peer, offset, HEADER_BYTES)
-    try:
-        _expect(header_generation(header), generation, "before the copy")
-    finally:
-        transport.release_read(peer, offset)
+    _await_seal(transport, peer, offset, generation)
     yield
     _check_after(transport, peer, offset, generation, notify)
+
+
+def _sealed(header: torch.Tensor, generation: int) -> bool:
+    return header_generation(header) == generation
+
+
+def _await_seal(
+    transport: KVTransport, peer: TransportEndpoint, offset: int, generation: int
+) -> None:
+    """Returns once the header holds ``generation``; waits while a save promised it."""
+    deadline, pause = time.monotonic() + SEAL_WAIT_S, 0.0005
+    while True:
+        header = transport.read(peer, offset, HEADER_BYTES)
+        try:
+            found, promised = header_generation(header), promised_generation(header)
+        finally:
+            transport.release_read(peer, offset)
+        if found == generation or found != 0 or promised != generation:
+            _expect(found, generation, "before the copy")
+            return
+        if time.monotonic() > deadline:
+            raise StaleTicket(
+                f"staged region promised generation {generation} but was not written "
+                f"within {SEAL_WAIT_S:.0f}s"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
 
 
 def _check_after(

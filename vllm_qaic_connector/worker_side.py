@@ -7,7 +7,7 @@ import functools
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -145,6 +145,10 @@ class WorkerSide:
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         self._loader = Loader(self._load, self._failed, cfg.load_timeout_s)
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
+        # Saves leave the engine's step: one thread, so a request's chunks land in order.
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-save")
+        self._saving: dict[str, Future[None]] = {}  # each request's latest save
+        self._await_saves: set[str] = set()  # finished; vLLM holds their blocks for us
         self._headers: RegionHeaders | None = None
         self._load_errors: set[int] = set()
         # With several KV cache groups block ids are not unique, so vLLM takes failed
@@ -244,6 +248,8 @@ class WorkerSide:
 
     def bind(self, metadata: QAICConnectorMetadata | None) -> None:
         self._metadata = metadata
+        if metadata is not None:
+            self._await_saves.update(metadata.await_saves)
 
     def start_load_kv(self) -> None:
         if self._metadata is None:
@@ -257,12 +263,39 @@ class WorkerSide:
             self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
 
     def wait_for_save(self) -> None:
+        """Hands this step's saves to the save thread; the step does not wait for them.
+        Before the ticket can leave, each sealing save promises its generation, so a
+        decode that comes early waits for the seal instead of failing."""
         if self._metadata is None or self._headers is None:
             return
         for offset in self._metadata.invalidate:
             self._headers.invalidate(offset)
-        for spec in self._metadata.saves:
-            self._save(spec)
+        saves = self._metadata.saves
+        if not saves:
+            return
+        for spec in saves:
+            if spec.generation:
+                self._headers.promise(spec.staging_offset, spec.generation)
+        job = self._saver.submit(self._save_all, saves)
+        for spec in saves:
+            self._saving[spec.request_id] = job
+
+    def _save_all(self, saves: list[SaveSpec]) -> None:
+        assert self._headers is not None
+        for spec in saves:
+            try:
+                self._save(spec)
+            except Exception:
+                logger.exception("QAICConnector: staging request %s failed", spec.request_id)
+                self._headers.abandon(spec.staging_offset)  # its reader fails at once
+
+    def _saves_done(self) -> set[str]:
+        """Finished requests whose saves are all done: vLLM may free their blocks."""
+        done = {r for r in self._await_saves if (f := self._saving.get(r)) is None or f.done()}
+        self._await_saves -= done
+        for rid in done:
+            self._saving.pop(rid, None)
+        return done
 
     def _save(self, spec: SaveSpec) -> None:
         """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
@@ -457,7 +490,7 @@ class WorkerSide:
                     self._stats.add("bytes_copied", result.bytes_copied)
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.sample("load_seconds", result.seconds)
-        return None, done or None
+        return self._saves_done() or None, done or None
 
     def take_failed_requests(self) -> set[str]:
         failed, self._failed_requests = self._failed_requests, set()
@@ -476,6 +509,7 @@ class WorkerSide:
             return out
 
     def shutdown(self) -> None:
+        self._saver.shutdown(wait=True)  # its writes go into the transport's staging
         self._loader.shutdown()
         self._releaser.shutdown(wait=False)  # queued releases still go out
         if self.transport is not None:

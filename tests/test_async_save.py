@@ -1,0 +1,127 @@
+"""Saves off the engine's step: a real WorkerSide with real shared-memory staging. The step
+hands its saves to the save thread; a decode that comes before the seal waits for it; vLLM
+gets a request's blocks back only once every save from them is done."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.rank_worker import make_worker
+from vllm_qaic_connector import tickets
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, gather_tokens
+from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata, SaveSpec
+from vllm_qaic_connector.tickets import (
+    HEADER_BYTES,
+    RegionHeaders,
+    StaleTicket,
+    checked_read,
+    header_generation,
+    promised_generation,
+)
+from vllm_qaic_connector.transports.shm import ShmTransport
+
+PAGE = 4096
+GEN = (7 << 32) + 3
+
+
+@pytest.fixture
+def pair():
+    tag = f"qaic_kv_as{os.getpid()}_{random.randrange(1 << 30):x}"
+    owner, reader = ShmTransport(f"{tag}o_r0_a", PAGE * 4), ShmTransport(f"{tag}r_r0_b", 64)
+    yield owner, reader, RegionHeaders(owner.staging)
+    reader.close()
+    owner.close()
+
+
+def test_a_reader_waits_for_a_promised_region_and_reads_what_was_sealed(pair):
+    owner, reader, headers = pair
+    nbytes = PAGE - HEADER_BYTES
+    headers.promise(0, GEN)
+    started = threading.Event()
+
+    def late_writer() -> None:
+        started.wait()
+        time.sleep(0.3)  # the reader is polling by now
+        with headers.writing(0, PAGE, GEN) as kv:
+            kv.fill_(42)
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    started.set()
+    with checked_read(reader, owner.endpoint(), 0, nbytes, GEN) as kv:
+        got = kv.clone()
+    writer.join()
+    assert torch.all(got == 42)
+    assert promised_generation(owner.staging[:HEADER_BYTES]) == 0  # the seal kept it
+
+
+def read_header_only(owner, reader) -> None:
+    with checked_read(reader, owner.endpoint(), 0, 64, GEN):
+        pass
+
+
+def test_a_promise_never_kept_fails_after_the_bound(pair, monkeypatch):
+    owner, reader, headers = pair
+    monkeypatch.setattr(tickets, "SEAL_WAIT_S", 0.2)
+    headers.promise(0, GEN)
+    with pytest.raises(StaleTicket, match="was not written within"):
+        read_header_only(owner, reader)
+
+
+def test_a_promise_for_another_generation_or_abandoned_fails_at_once(pair, monkeypatch):
+    owner, reader, headers = pair
+    monkeypatch.setattr(tickets, "SEAL_WAIT_S", 60.0)
+    t0 = time.monotonic()
+    headers.promise(0, GEN + 1)
+    with pytest.raises(StaleTicket, match="no live KV"):
+        read_header_only(owner, reader)
+    headers.promise(0, GEN)
+    headers.abandon(0)  # a save that failed
+    with pytest.raises(StaleTicket, match="no live KV"):
+        read_header_only(owner, reader)
+    assert time.monotonic() - t0 < 30  # neither waited out the bound
+
+
+def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save():
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": {}}, seed=3)
+    assert worker.transport is not None
+    reader = ShmTransport(f"qaic_kv_as{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
+    try:
+        n, blocks = 70, [5, 2, 9]
+        spec = SaveSpec("p1", (blocks,), n, 0, "vllm_cpu", 32, GEN)
+        other = SaveSpec("p2", ([7],), 20, 1 << 20, "vllm_cpu", 32, GEN + 1)
+        gate = threading.Event()
+        worker._saver.submit(gate.wait)  # the save thread is busy with an earlier save
+        worker.bind(QAICConnectorMetadata(saves=[spec, other]))
+        worker.wait_for_save()
+        worker.bind(None)
+        header = worker.transport.staging[:HEADER_BYTES]
+        # The step returned with the save still queued, its generation promised.
+        assert header_generation(header) == 0 and promised_generation(header) == GEN
+        worker.bind(QAICConnectorMetadata(await_saves=["p1"]))  # p1 finished; p2 runs on
+        assert worker.get_finished() == (None, None)
+        gate.set()
+        deadline, sent = time.monotonic() + 30, None
+        while sent is None and time.monotonic() < deadline:
+            sent, _ = worker.get_finished()
+            time.sleep(0.01)
+        assert sent == {"p1"}  # never p2: vLLM would free a running request's blocks
+        assert worker.get_finished() == (None, None)
+        geo = KVGeometry(2, 32, 32, torch.float32)
+        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        staged = list(range(blocks_for_tokens(n, 32)))
+        with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
+            views = fmt.layer_views(r, n)
+            for src, dst in zip(worker.layers, views, strict=True):
+                want, got = gather_tokens(src, blocks, n), gather_tokens(dst, staged, n)
+                assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    finally:
+        reader.close()
+        worker.shutdown()
