@@ -219,6 +219,20 @@ set +e
   --min-agreement "$MIN_AGREEMENT" > "$RUN_DIR/verdict.txt"
 status=$?
 set -e
+# Every request has finished: no instance may still hold KV blocks (the prefill's are held
+# for the saves that run after its steps, then given back).
+LEAK_URLS=()
+for port in "${P_PORTS[@]}"; do LEAK_URLS+=("prefill:$port"); done
+[ "$DECODE_TARGET" = vllm ] && for port in "${D_PORTS[@]}"; do LEAK_URLS+=("decode:$port"); done
+for entry in "${LEAK_URLS[@]}"; do
+  usage=$(curl -sf "http://127.0.0.1:${entry#*:}/metrics" \
+    | awk '$1 ~ /^vllm:kv_cache_usage_perc/ { s += $2 } END { printf "%g", s }')
+  echo "${entry%%:*} :${entry#*:} KV cache usage after the run: $usage"
+  if [ "$usage" != 0 ]; then echo "FAIL: ${entry%%:*} on port ${entry#*:} still holds KV blocks"; status=1; fi
+done > "$RUN_DIR/usage.txt"
+grep -q '^FAIL:' "$RUN_DIR/usage.txt" && status=1
+{ sed '$d' "$RUN_DIR/verdict.txt"; cat "$RUN_DIR/usage.txt"; tail -n 1 "$RUN_DIR/verdict.txt"; } > "$RUN_DIR/verdict.all"
+mv "$RUN_DIR/verdict.all" "$RUN_DIR/verdict.txt"
 if [ "$DECODE_TARGET" = qaic ]; then
   # QAIC gates: accuracy equal to the aggregated run's, every slot free again. Also reports
   # the handoff's host copies.
