@@ -400,6 +400,16 @@ def engine_pids(server: Server) -> list[int]:
     return [p for p in server.pids() if p != server.pid and b"resource_tracker" not in cmdline(p)]
 
 
+def describe(pid: int) -> str:
+    """A process's state and command line, for a failure message."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+    except OSError:
+        return f"{pid} gone"
+    return f"{pid} {state} {cmd.decode(errors='replace')}"
+
+
 class BlackHole:
     """A TCP listener that never accepts: connections complete and then hear nothing."""
 
@@ -663,7 +673,8 @@ class TestShm:
         assert waiting, "the load was over before the SIGTERM: the case missed its point"
         assert engine_gone, (
             f"{SIGTERM_EXIT_MAX_S}s after SIGTERM the decode's engine or worker still ran, or "
-            f"its segments were still there: {c.run.our_qaic_objects(c.decode_fail.engine_id)}"
+            f"its segments were still there: {c.run.our_qaic_objects(c.decode_fail.engine_id)}, "
+            f"processes left: {[describe(p) for p in engine_pids(server)]}"
         )
         assert gone, "the decode's API server outlived its client"
         assert not left, f"the decode left its segments: {left}"
