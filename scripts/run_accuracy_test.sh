@@ -28,6 +28,7 @@ MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
 PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
+ASYNC_SAVES=${ASYNC_SAVES:-0}  # 1: the connector's async_saves (staging off the step)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
 
@@ -107,6 +108,7 @@ export PYTHONUNBUFFERED=1
 if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi
 DEBUG_KEY=""
 [ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
+[ "$ASYNC_SAVES" = 1 ] && DEBUG_KEY="$DEBUG_KEY"',"async_saves":true'
 
 tp_args() {  # tp -> vLLM args; TP ranks are worker processes, one core each
   [ "$1" = 1 ] || echo "--tensor-parallel-size $1 --distributed-executor-backend mp"

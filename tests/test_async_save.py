@@ -90,7 +90,8 @@ def test_a_promise_for_another_generation_or_abandoned_fails_at_once(pair, monke
 
 def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save():
     args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
-    worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": {}}, seed=3)
+    extra = {"async_saves": True}
+    worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": extra}, seed=3)
     assert worker.transport is not None
     reader = ShmTransport(f"qaic_kv_as{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
     try:

@@ -54,7 +54,17 @@ def params_of(engine_outputs, rid: str) -> dict | None:
     return None
 
 
-def test_prefill_stages_whole_prompt_and_returns_params(prefill):
+@pytest.mark.parametrize("async_saves", [False, True])
+def test_prefill_stages_whole_prompt_and_returns_params(async_saves):
+    prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0, "async_saves": async_saves})
+    prefill.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        check_prefill_stages_whole_prompt(prefill, async_saves)
+    finally:
+        prefill.connector.shutdown()
+
+
+def check_prefill_stages_whole_prompt(prefill, async_saves: bool) -> None:
     pool = prefill.connector.scheduler.pool
     free_before = free_blocks(prefill)
     req = make_request("p1", 45, {"do_remote_decode": True})
@@ -67,14 +77,18 @@ def test_prefill_stages_whole_prompt_and_returns_params(prefill):
     assert params["do_remote_prefill"] is True
     assert params["num_tokens"] == 45 and params["remote_request_id"] == "p1"
     assert params["staging_offset"] == saves[0].staging_offset
-    # The save runs after the step, on the worker's thread: vLLM holds the blocks until
-    # the worker says the save is done, and the worker learns which requests to report
-    # from the next step's metadata.
-    assert free_blocks(prefill) < free_before
-    out, _ = step(prefill)
-    assert meta(out).await_saves == ["p1"] and meta(out).saves == []
-    assert free_blocks(prefill) < free_before
-    step(prefill, KVConnectorOutput(finished_sending={"p1"}))
+    if async_saves:
+        # The save runs after the step, on the worker's thread: vLLM holds the blocks
+        # until the worker says the save is done, and the worker learns which requests
+        # to report from the next step's metadata.
+        assert free_blocks(prefill) < free_before
+        out, _ = step(prefill)
+        assert meta(out).await_saves == ["p1"] and meta(out).saves == []
+        assert free_blocks(prefill) < free_before
+        step(prefill, KVConnectorOutput(finished_sending={"p1"}))
+    else:
+        out, _ = step(prefill)
+        assert meta(out).await_saves == []
     assert free_blocks(prefill) == free_before
     assert pool.has("p1")  # the staging lease outlives the blocks
     # The decode releases it over the real side channel.
@@ -105,7 +119,7 @@ def test_chunked_prefill_stages_each_chunk_and_seals_with_the_last():
 
 
 def test_a_prompt_aborted_after_its_first_chunk_holds_its_blocks_for_that_save():
-    sched = make_scheduler("kv_producer", BS, max_batched=32)
+    sched = make_scheduler("kv_producer", BS, {"async_saves": True}, max_batched=32)
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     try:
         free_before = free_blocks(sched)
@@ -162,7 +176,7 @@ def test_full_pool_gives_a_clear_error_after_the_bounded_wait():
         assert params_of(outputs, "f1")["do_remote_prefill"] is True
         err = params_of(outputs, "f2")
         assert err["do_remote_prefill"] is False and "staging pool full" in err["error"]
-        assert free_blocks(sched) == free_before - 1  # f1's block, held for its save
+        assert free_blocks(sched) == free_before
         assert sched.connector.scheduler.pool.pages_in_use == 1  # only f1's lease
     finally:
         sched.connector.shutdown()

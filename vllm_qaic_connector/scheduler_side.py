@@ -482,7 +482,7 @@ class SchedulerSide:
             return True, None
         # Saves run on the worker's own thread, after the step: the blocks they read stay
         # held until the worker reports them finished sending.
-        hold = out is not None and out.saved_to > 0
+        hold = self.cfg.async_saves and out is not None and out.saved_to > 0
         if hold:
             self._await_saves.append(rid)
         spec = self._staged.pop(rid, None)
@@ -516,7 +516,7 @@ class SchedulerSide:
         )
         if self._key is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, self._key))
-        return True, msgspec.to_builtins(params)
+        return hold, msgspec.to_builtins(params)
 
     def pool_stats(self) -> QAICConnectorStats:
         stats = QAICConnectorStats()

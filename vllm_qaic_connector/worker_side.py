@@ -263,15 +263,16 @@ class WorkerSide:
             self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
 
     def wait_for_save(self) -> None:
-        """Hands this step's saves to the save thread; the step does not wait for them.
-        Before the ticket can leave, each sealing save promises its generation, so a
-        decode that comes early waits for the seal instead of failing."""
+        """Stages this step's saves; with ``async_saves``, hands them to the save thread
+        and returns. Then, before the ticket can leave, each sealing save promises its
+        generation, so a decode that comes early waits for the seal instead of failing."""
         if self._metadata is None or self._headers is None:
             return
         for offset in self._metadata.invalidate:
             self._headers.invalidate(offset)
         saves = self._metadata.saves
-        if not saves:
+        if not saves or not self.cfg.async_saves:
+            self._save_all(saves)
             return
         for spec in saves:
             if spec.generation:
