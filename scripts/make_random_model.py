@@ -3,8 +3,10 @@
 It borrows the shipped model's tokenizer and uses another geometry (more layers, more KV
 heads, head size 64), so the connector meets shapes the copy model does not have.
 `--arch gemma3` writes a text-only Gemma3 whose 4 layers alternate sliding-window (64)
-and full attention, so vLLM builds a hybrid (two-group) KV cache.
-    python scripts/make_random_model.py OUT_DIR [--arch gemma3]
+and full attention, so vLLM builds a hybrid (two-group) KV cache. `--arch granite_hybrid`
+writes a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV cache group
+plus a Mamba state group.
+    python scripts/make_random_model.py OUT_DIR [--arch gemma3|granite_hybrid]
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GraniteMoeHybridConfig,
+    GraniteMoeHybridForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
@@ -61,7 +65,26 @@ def gemma3(base: LlamaConfig) -> PreTrainedModel:
     return Gemma3ForCausalLM(cfg)
 
 
-ARCHS = {"llama": llama, "gemma3": gemma3}
+def granite_hybrid(base: LlamaConfig) -> PreTrainedModel:
+    """Layers alternate Mamba2 (recurrent state) and attention, with dense MLPs."""
+    sizes = {k: v for k, v in shared(base).items() if k != "head_dim"}
+    cfg = GraniteMoeHybridConfig(
+        **sizes,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention"] * 2,
+        num_local_experts=0,
+        shared_intermediate_size=512,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_d_state=64,
+        mamba_n_groups=1,
+        architectures=["GraniteMoeHybridForCausalLM"],
+    )
+    return GraniteMoeHybridForCausalLM(cfg)
+
+
+ARCHS = {"llama": llama, "gemma3": gemma3, "granite_hybrid": granite_hybrid}
 
 
 def main(out: Path, arch: str = "llama") -> None:

@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -34,6 +35,7 @@ import vllm_qaic_connector
 
 MODEL = str(Path(__file__).resolve().parent.parent / "models" / "tiny-copy")
 EOS = 2
+MAMBA_SHAPES = ((3, 640), (8, 64, 64))  # conv state, SSM state of one Mamba2 layer
 
 
 def make_vllm_config(
@@ -63,9 +65,13 @@ def make_vllm_config(
     )
 
 
-def make_kv_cache_config(block_size: int, num_blocks: int = 64, window: int = 0) -> KVCacheConfig:
+def make_kv_cache_config(
+    block_size: int, num_blocks: int = 64, window: int = 0, mamba: bool = False
+) -> KVCacheConfig:
     """Two full-attention layers; with ``window``, a hybrid model as vLLM's HMA groups it:
-    layers 0 and 2 sliding-window (group 0), layers 1 and 3 full attention (group 1)."""
+    layers 0 and 2 sliding-window (group 0), layers 1 and 3 full attention (group 1). With
+    ``mamba``, layers 0 and 2 are Mamba2 layers instead (state shapes, and one state block
+    per request, as vLLM gives the random GraniteMoeHybrid of scripts/make_random_model.py)."""
     geo: dict[str, Any] = dict(
         block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
     )
@@ -74,6 +80,15 @@ def make_kv_cache_config(block_size: int, num_blocks: int = 64, window: int = 0)
     if window:
         groups = [
             KVCacheGroupSpec([layer(0), layer(2)], SlidingWindowSpec(**geo, sliding_window=window)),
+            KVCacheGroupSpec([layer(1), layer(3)], FullAttentionSpec(**geo)),
+        ]
+    if mamba:
+        state = MambaSpec(
+            block_size=8 * block_size, shapes=MAMBA_SHAPES, dtypes=(torch.float32,) * 2
+        )
+        mixer = "model.layers.{}.mixer".format
+        groups = [
+            KVCacheGroupSpec([mixer(0), mixer(2)], state),
             KVCacheGroupSpec([layer(1), layer(3)], FullAttentionSpec(**geo)),
         ]
     return KVCacheConfig(
@@ -89,15 +104,17 @@ def make_scheduler(
     extra: dict[str, Any] | None = None,
     num_blocks: int = 64,
     window: int = 0,
+    mamba: bool = False,
     **kw: Any,
 ) -> Scheduler:
     cfg = make_vllm_config(role, block_size, extra, **kw)
     cfg.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         cfg,
-        make_kv_cache_config(block_size, num_blocks, window),
+        make_kv_cache_config(block_size, num_blocks, window, mamba),
         StructuredOutputManager(cfg),
-        block_size=block_size,
+        block_size=8 * block_size if mamba else block_size,  # the groups' LCM, as vLLM's
+        hash_block_size=block_size,
     )
 
 

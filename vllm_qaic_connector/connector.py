@@ -128,6 +128,9 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         ranks = [m.rank for m in metadata.values() if isinstance(m, QAICHandshakeMetadata)]
         self._s().set_rank_metadata(ranks)
 
+    def on_new_request(self, request: Request) -> None:
+        self._s().on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

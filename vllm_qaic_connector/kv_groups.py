@@ -3,14 +3,15 @@ request's tokens a handoff moves for it.
 
 A full-attention group moves the whole prompt. A sliding-window group moves only the tail
 the decode will attend to: vLLM drops (and never allocates on the decode) the blocks before
-it. The math is pure; ``groups_of`` is the one place that reads vLLM's specs.
+it. A Mamba group moves one block per request, its recurrent state. The math is pure;
+``groups_of`` is the one place that reads vLLM's specs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -21,6 +22,7 @@ class KVGroup:
     block_size: int
     window: int  # tokens a sliding-window layer keeps (0: full attention)
     layer_names: tuple[str, ...]
+    state_bytes: int = 0  # Mamba: one layer's recurrent state per request (0: attention)
 
 
 def groups_of(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
@@ -28,28 +30,59 @@ def groups_of(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
     groups, shapes = [], set()
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
+        spec, names = group.kv_cache_spec, tuple(group.layer_names)
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "none" or spec.num_speculative_blocks:
+                raise ValueError(
+                    f"QAICConnector: KV cache group {i} keeps Mamba state in mode "
+                    f"{spec.mamba_cache_mode!r} with {spec.num_speculative_blocks} speculative "
+                    "blocks; only one state block per request (mode 'none', no speculative "
+                    "decoding, so --no-enable-prefix-caching) can be handed off"
+                )
+            groups.append(KVGroup(spec.block_size, 0, names, spec.state_content_size_bytes))
+            continue
         if not isinstance(spec, AttentionSpec) or isinstance(spec, ChunkedLocalAttentionSpec):
             raise ValueError(
                 f"QAICConnector: KV cache group {i} is {type(spec).__name__}; only full and "
-                "sliding-window attention groups can be handed off"
+                "sliding-window attention and Mamba groups can be handed off"
             )
         shapes.add((spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype))
         window = 0
         if isinstance(spec, SlidingWindowSpec):
             window = spec.sliding_window + spec.extra_retained_tokens
-        groups.append(KVGroup(spec.block_size, window, tuple(group.layer_names)))
+        groups.append(KVGroup(spec.block_size, window, names))
     if len(shapes) > 1:
         raise ValueError(
             f"QAICConnector: KV cache groups differ in (block size, KV heads, head size, "
             f"dtype): {sorted(shapes, key=str)}; they must share one geometry"
         )
     return tuple(groups)
+
+
+def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
+    """The spec of the first attention group: the geometry every KV group shares."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return next(
+        g.kv_cache_spec
+        for g in kv_cache_config.kv_cache_groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    )
+
+
+def has_state(groups: Sequence[KVGroup]) -> bool:
+    return any(g.state_bytes for g in groups)
+
+
+def state_bytes(groups: Sequence[KVGroup]) -> int:
+    """One request's recurrent state, every Mamba layer (on one TP rank)."""
+    return sum(g.state_bytes * len(g.layer_names) for g in groups)
 
 
 def window_start(num_tokens: int, window: int) -> int:
@@ -59,9 +92,13 @@ def window_start(num_tokens: int, window: int) -> int:
 
 
 def tokens_to_load(num_tokens: int, groups: Sequence[KVGroup]) -> int:
-    """How many staged tokens a decode claims. With a sliding window, one short: vLLM
-    recomputes the last prompt token of a fully loaded prompt, and that token attends one
-    token further back than the blocks vLLM keeps for the whole prompt."""
+    """How many staged tokens a decode claims. With a recurrent state, all of them: the
+    state is that of the last one (the prefill stopped a token short). Otherwise with a
+    sliding window, one short: vLLM recomputes the last prompt token of a fully loaded
+    prompt, and that token attends one token further back than the blocks vLLM keeps for
+    the whole prompt."""
+    if has_state(groups):
+        return num_tokens
     return num_tokens - 1 if any(g.window for g in groups) and num_tokens > 1 else num_tokens
 
 
@@ -124,8 +161,10 @@ def layer_starts(
     return firsts if any(firsts) else ()
 
 
-def ordered_layers(groups: Sequence[KVGroup]) -> list[str]:
-    """Every layer by its index in the model: the order both sides stage layers in."""
+def ordered_layers(groups: Sequence[KVGroup], state: bool = False) -> list[str]:
+    """Every attention layer (or with ``state``, every Mamba layer) by its index in the
+    model: the order both sides stage layers in."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    return sorted((n for g in groups for n in g.layer_names), key=extract_layer_index)
+    names = (n for g in groups if bool(g.state_bytes) == state for n in g.layer_names)
+    return sorted(names, key=extract_layer_index)

@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from vllm_qaic_connector.recurrent_state import state_offset
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -310,12 +312,14 @@ def plan_slot_reads(
 class StagingFormat:
     """How a staged request is laid out: the layout and geometry of its blocks. Layer ``i``
     holds its blocks from the one with token ``first_tokens[i]`` on (sliding-window layers
-    stage only their tail; empty: every layer from token 0)."""
+    stage only their tail; empty: every layer from token 0). ``state_bytes`` of recurrent
+    state (Mamba layers) follow the KV."""
 
     layout_kind: str
     geometry: KVGeometry
     num_layers: int
     first_tokens: tuple[int, ...] = ()
+    state_bytes: int = 0
 
     def shift(self, layer: int) -> int:
         """Tokens before a layer's first staged block (its position 0 in staging)."""
@@ -326,9 +330,19 @@ class StagingFormat:
     def _blocks(self, layer: int, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens - self.shift(layer), self.geometry.block_size)
 
-    def request_bytes(self, num_tokens: int) -> int:
+    def _kv_bytes(self, num_tokens: int) -> int:
         blocks = sum(self._blocks(i, num_tokens) for i in range(self.num_layers))
         return blocks * self.geometry.bytes_per_block
+
+    def request_bytes(self, num_tokens: int) -> int:
+        if not self.state_bytes:
+            return self._kv_bytes(num_tokens)
+        return state_offset(self._kv_bytes(num_tokens)) + self.state_bytes
+
+    def state_region(self, region: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The recurrent state inside a staged region (flat uint8, no copy)."""
+        at = state_offset(self._kv_bytes(num_tokens))
+        return region[at : at + self.state_bytes]
 
     def layer_views(
         self, region: torch.Tensor, num_tokens: int

@@ -16,7 +16,9 @@ from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.kv_groups import (
+    attention_spec,
     groups_of,
+    has_state,
     held_start,
     layer_groups,
     layer_starts,
@@ -24,6 +26,7 @@ from vllm_qaic_connector.kv_groups import (
     ordered_layers,
     staged_starts,
     staging_gap,
+    state_bytes,
     tokens_to_load,
 )
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
@@ -149,7 +152,7 @@ class SchedulerSide:
         self.engine_id = str(ktc.engine_id)
         self.is_producer = bool(ktc.is_kv_producer)
         self.groups = groups_of(kv_cache_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = attention_spec(kv_cache_config)
         self.block_size = spec.block_size
         self.geometry = KVGeometry(
             spec.num_kv_heads,  # type: ignore[attr-defined]
@@ -247,6 +250,20 @@ class SchedulerSide:
             del self._acks[rid]
         self.pool.release(rid)
 
+    def on_new_request(self, request: Request) -> None:
+        """A prefill for a model with Mamba layers stops one token short: the decode needs
+        the state before the last prompt token, and recomputes that token from it."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and has_state(self.groups) and params):
+            return
+        if params.get("do_remote_decode") and request.num_prompt_tokens > 1:
+            if request.prompt_token_ids is None:  # prompt embeddings: nothing to cut
+                return
+            del request.prompt_token_ids[-1]
+            del request._all_token_ids[-1]
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
+
     # --- decode side: loads --------------------------------------------------------------
 
     def get_num_new_matched_tokens(
@@ -266,6 +283,11 @@ class SchedulerSide:
             unusable = ticket_problem(parsed, self._key)
             if unusable:  # before anything else: an unsigned peer address is not contacted
                 raise ValueError(unusable)
+            if has_state(self.groups) and num_tokens >= len(prompt):
+                raise ValueError(
+                    f"the prefill staged {num_tokens} of {len(prompt)} prompt tokens; a "
+                    "model with Mamba layers needs it to stop at least one token short"
+                )
             if num_tokens > len(prompt):
                 raise ValueError(
                     f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
@@ -386,6 +408,7 @@ class SchedulerSide:
             dataclasses.replace(self.geometry, block_size=target.block_size),
             len(self.layer_groups),
             layer_starts(starts, self.layer_groups, len(self.layer_groups)),
+            state_bytes(self.groups),
         )
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:

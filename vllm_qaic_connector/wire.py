@@ -60,11 +60,15 @@ def compat_hash(
     num_kv_heads: int,
     head_size: int,
     windows: tuple[int, ...] = (),
+    states: tuple[str, ...] = (),
 ) -> str:
-    """``windows``: each layer's sliding window, for hybrid models (empty: all full)."""
+    """``windows``: each layer's sliding window, for hybrid models (empty: all full);
+    ``states``: each Mamba layer's state shapes on this rank (so TP sizes must match)."""
     text = f"{model}|{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
     if any(windows):
         text += f"|{','.join(map(str, windows))}"
+    if states:
+        text += f"|state:{';'.join(states)}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -9,7 +9,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,7 +20,14 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
-from vllm_qaic_connector.kv_groups import KVGroup, groups_of, layer_groups, layer_starts
+from vllm_qaic_connector.kv_groups import (
+    KVGroup,
+    attention_spec,
+    groups_of,
+    layer_groups,
+    layer_starts,
+    ordered_layers,
+)
 from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
@@ -31,6 +38,7 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.loader import Loader, WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
+from vllm_qaic_connector.recurrent_state import RecurrentState
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.tickets import (
@@ -119,6 +127,7 @@ class RankIdentity:
     tp_size: int
     total_kv_heads: int
     model: str
+    produces: bool = True  # stages KV for others (kv_producer, kv_both)
 
 
 class WorkerSide:
@@ -138,6 +147,10 @@ class WorkerSide:
         self.geometry = geometry
         self.layout: KVLayout | None = None
         self.layers: list[Views] = []
+        self.state: RecurrentState | None = None  # Mamba layers' state, if the model has any
+        # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds
+        # the state views (conv, SSM) its kernels use.
+        self.layer_modules: dict[str, Any] = {}
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
         self.incarnation = new_incarnation()
@@ -167,7 +180,7 @@ class WorkerSide:
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         groups = groups_of(kv_cache_config)
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = attention_spec(kv_cache_config)
         model_cfg = vllm_config.model_config
         identity = RankIdentity(
             engine_id=str(ktc.engine_id),
@@ -175,6 +188,7 @@ class WorkerSide:
             tp_size=vllm_config.parallel_config.tensor_parallel_size,
             total_kv_heads=model_cfg.get_total_num_kv_heads(),
             model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
+            produces=bool(ktc.is_kv_producer),
         )
         geometry = KVGeometry(
             num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
@@ -182,7 +196,9 @@ class WorkerSide:
             block_size=spec.block_size,
             dtype=spec.dtype,  # type: ignore[attr-defined]
         )
-        return cls(cfg, identity, geometry, groups)
+        worker = cls(cfg, identity, geometry, groups)
+        worker.layer_modules = vllm_config.compilation_config.static_forward_context
+        return worker
 
     # --- registration ----------------------------------------------------------------------
 
@@ -191,7 +207,13 @@ class WorkerSide:
     ) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        names = sorted(kv_caches, key=extract_layer_index)
+        state_names = ordered_layers(self.groups, state=True)
+        if state_names:
+            self.state = RecurrentState(
+                tuple(self._state_tensors(n, kv_caches) for n in state_names),
+                layer_groups(self.groups, state_names),
+            )
+        names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
         self.layer_groups = layer_groups(self.groups, names)
         windows = tuple(self.groups[g].window for g in self.layer_groups) if self.groups else ()
@@ -204,13 +226,17 @@ class WorkerSide:
             )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
+        # A shm load maps the prefill's segment: an engine that only loads needs none.
+        only_loads = self.cfg.transport == "shm" and not self.identity.produces
+        staging = 0 if only_loads else self.cfg.staging_bytes
         self.transport = create_transport(
-            self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s
+            self.cfg.transport, name, staging, self.cfg.load_timeout_s
         )
         self._headers = RegionHeaders(self.transport.staging)
         model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
         total_heads = self.identity.total_kv_heads
+        states = self.state.signature() if self.state else ()
         self.rank_meta = RankMetadata(
             engine_id=self.engine_id,
             tp_rank=self.tp_rank,
@@ -226,7 +252,7 @@ class WorkerSide:
             num_layers=len(tensors),
             model=model,
             compat_hash=compat_hash(
-                model, dtype, len(tensors), total_heads, self.geometry.head_size, windows
+                model, dtype, len(tensors), total_heads, self.geometry.head_size, windows, states
             ),
             endpoint=self.transport.endpoint(),
             incarnation=self.incarnation,
@@ -240,6 +266,15 @@ class WorkerSide:
             self.geometry.block_size,
             self.cfg.transport,
         )
+
+    def _state_tensors(self, name: str, kv_caches: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        module = self.layer_modules.get(name)
+        state = module.kv_cache if module is not None else kv_caches[name]
+        if not isinstance(state, (list, tuple)) or not all(
+            isinstance(t, torch.Tensor) and t.dim() >= 2 for t in state
+        ):
+            raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
+        return tuple(state)
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
@@ -317,6 +352,9 @@ class WorkerSide:
                         src, spec.block_ids[self._group(i)], dst, staged_blocks, t, last,
                         dst_t0=t - fmt.shift(i),
                     )  # fmt: skip
+            if self.state is not None and spec.generation:  # the state after the last token
+                staged_state = fmt.state_region(region, spec.num_tokens)
+                written += self.state.save(spec.block_ids, staged_state)
         with self._stats_lock:
             if spec.generation:  # the prompt's last part
                 self._stats.add("saved_requests")
@@ -332,7 +370,8 @@ class WorkerSide:
     ) -> StagingFormat:
         """A staged request's format; ``group_starts``: its first staged token per group."""
         firsts = layer_starts(group_starts, self.layer_groups, num_layers)
-        return StagingFormat(kind, geometry, num_layers, firsts)
+        state = self.state.nbytes if self.state else 0
+        return StagingFormat(kind, geometry, num_layers, firsts, state)
 
     # --- loads --------------------------------------------------------------------------------
 
@@ -391,6 +430,11 @@ class WorkerSide:
             late = time.time() - spec.holds_until
             raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
         total = self.identity.total_kv_heads
+        if self.state is not None and len(ranks) != self.tp_size:
+            raise ValueError(
+                f"the prefill runs TP {len(ranks)}, this decode TP {self.tp_size}: a Mamba "
+                "layer's state is sharded by TP rank, so both must match"
+            )
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
         copied, reads, t0 = 0, 0, time.monotonic()
         # Each source rank staged its own head shard; read only the heads this rank holds.
@@ -431,9 +475,14 @@ class WorkerSide:
                         src, src_blocks, dst, spec.block_ids[self._group(i)], t - shift,
                         spec.end - shift, source.heads, dst_t0=t,
                     )  # fmt: skip
+                if self.state is not None:
+                    region_state = fmt.state_region(region, remote.num_tokens)
+                    copied += self.state.load(region_state, spec.block_ids)
                 if self.cfg.debug_corrupt_loaded_kv:
                     for i, dst in enumerate(self.layers):
                         self._corrupt(dst, spec, self._group(i))
+                    if self.state is not None:
+                        self.state.zero(spec.block_ids)
             reads += 2  # the region with its header, then the header again
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait

@@ -124,17 +124,21 @@ class ShmTransport(KVTransport):
     kind = "shm"
 
     def __init__(self, name: str, staging_bytes: int) -> None:
-        """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first."""
+        """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first.
+        ``staging_bytes`` 0 (an engine that only loads): no segment of its own, so none can
+        outlive it when vLLM force-kills its worker."""
         reclaim_dead_segments(name.rpartition("_")[0] + "_")
-        self._own = SharedSegment(name, staging_bytes, create=True)
+        self._own = SharedSegment(name, staging_bytes, create=True) if staging_bytes else None
         self._peers: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()  # loads run on several threads
 
     @property
     def staging(self) -> torch.Tensor:
-        return self._own.tensor
+        return self._own.tensor if self._own else torch.empty(0, dtype=torch.uint8)
 
     def endpoint(self) -> TransportEndpoint:
+        if self._own is None:
+            return TransportEndpoint(self.kind, "", 0)
         return TransportEndpoint(self.kind, self._own.name, self._own.size)
 
     def read(
@@ -162,4 +166,5 @@ class ShmTransport(KVTransport):
             for seg in self._peers.values():
                 seg.close()
             self._peers.clear()
-            self._own.close()
+            if self._own is not None:
+                self._own.close()

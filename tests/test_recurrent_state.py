@@ -1,0 +1,127 @@
+"""Mamba (SSM) layers' recurrent state: vLLM's Mamba group accepted by its spec, the prefill
+stopping one token short inside a real vLLM Scheduler, and the state's bytes through a
+real POSIX shm segment into another engine's state block."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from tests.ranks import rank_meta
+from tests.test_scheduler_side import meta, params_of, remote_params
+from tests.vllm_harness import (
+    MAMBA_SHAPES,
+    make_kv_cache_config,
+    make_request,
+    make_scheduler,
+    step,
+)
+from vllm_qaic_connector.kv_groups import groups_of, state_bytes
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat
+from vllm_qaic_connector.recurrent_state import RecurrentState
+from vllm_qaic_connector.transports.shm import SharedSegment
+from vllm_qaic_connector.wire import compat_hash
+
+BS = 16
+STATE_BYTES = sum(torch.Size(s).numel() * 4 for s in MAMBA_SHAPES)
+
+
+def test_a_mamba_group_is_accepted_with_its_state_size_and_other_modes_are_refused():
+    config = make_kv_cache_config(BS, mamba=True)
+    groups = groups_of(config)
+    assert [g.state_bytes for g in groups] == [STATE_BYTES, 0]
+    assert state_bytes(groups) == 2 * STATE_BYTES  # two Mamba layers
+    spec = config.kv_cache_groups[0].kv_cache_spec
+    config.kv_cache_groups[0].kv_cache_spec = dataclasses.replace(spec, mamba_cache_mode="align")
+    with pytest.raises(ValueError, match="KV cache group 0 keeps Mamba state in mode 'align'"):
+        groups_of(config)
+
+
+def vllm_like_state(num_blocks: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """One layer's conv and SSM state as vLLM lays them out: views into one raw buffer,
+    each block a padded page holding both."""
+    page = 65536  # elements per block (vLLM pads the page)
+    raw = torch.randn(num_blocks * page, generator=torch.Generator().manual_seed(seed))
+    conv = raw.as_strided((num_blocks, *MAMBA_SHAPES[0]), (page, MAMBA_SHAPES[0][1], 1))
+    at = MAMBA_SHAPES[0][0] * MAMBA_SHAPES[0][1]
+    ssm_strides = (page, 64 * 64, 64, 1)
+    ssm = raw.as_strided((num_blocks, *MAMBA_SHAPES[1]), ssm_strides, storage_offset=at)
+    return conv, ssm
+
+
+def test_state_crosses_a_real_shm_segment_into_another_engines_block():
+    prefill = RecurrentState((vllm_like_state(8, 1), vllm_like_state(8, 2)), (0, 0))
+    decode = RecurrentState((vllm_like_state(8, 3), vllm_like_state(8, 4)), (0, 0))
+    assert prefill.signature() == decode.signature()
+    geo = KVGeometry(2, 32, BS, torch.float32)
+    fmt = StagingFormat("vllm_cpu", geo, 2, (), prefill.nbytes)
+    n = 37  # KV of 3 blocks per layer, then the state, aligned
+    name = f"qaic_kv_test_state_{os.getpid()}"
+    own = SharedSegment(name, 1 << 22, create=True)
+    try:
+        region = own.tensor[: fmt.request_bytes(n)]
+        kv_bytes = 2 * 3 * geo.bytes_per_block
+        region[:kv_bytes].fill_(7)  # the KV a save wrote just before
+        assert prefill.save(([5], [1, 2, 3]), fmt.state_region(region, n)) == 2 * STATE_BYTES
+        assert bool((region[:kv_bytes] == 7).all()), "the state overwrote the KV"
+        peer = SharedSegment(name, 1 << 22, create=False)  # the decode's read-only mapping
+        untouched = [t[2].clone() for layer in decode.layers for t in layer]
+        staged = fmt.state_region(peer.tensor[: fmt.request_bytes(n)], n)
+        decode.load(staged, ([6], [9, 10, 11]))
+        for p_layer, d_layer in zip(prefill.layers, decode.layers, strict=True):
+            for p, d in zip(p_layer, d_layer, strict=True):
+                assert torch.equal(d[6], p[5])
+        after = [t[2] for layer in decode.layers for t in layer]
+        assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
+        with pytest.raises(ValueError, match="state region of"):
+            decode.load(staged[:-4], ([6], [9]))
+        peer.close()
+    finally:
+        own.close()
+
+
+def test_the_compat_hash_tells_state_shapes_apart():
+    a = RecurrentState((vllm_like_state(2, 1),), (0,)).signature()
+    b = (a[0].replace("8x64x64", "4x64x64"),)  # half the heads: another TP size
+    assert compat_hash("m", "float32", 2, 2, 32, (), a) != compat_hash(
+        "m", "float32", 2, 2, 32, (), b
+    )
+    assert compat_hash("m", "float32", 2, 2, 32, (), a) != compat_hash("m", "float32", 2, 2, 32)
+
+
+def test_prefill_stops_one_token_short_and_stages_the_state_after_the_kv():
+    prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0}, mamba=True)
+    prefill.connector.set_xfer_handshake_metadata({})
+    prefill.connector.scheduler.set_rank_metadata([rank_meta(block_size=BS)])
+    try:
+        req = make_request("p1", 100, {"do_remote_decode": True}, max_tokens=5)
+        prefill.add_request(req)
+        assert req.num_prompt_tokens == 99 and req.max_tokens == 1
+        out, outputs = step(prefill)
+        (save,) = meta(out).saves
+        assert save.num_tokens == 99 and len(save.block_ids[0]) == 1  # one state block
+        params = params_of(outputs, "p1")
+        assert params is not None and params["num_tokens"] == 99
+        plain = make_request("p2", 100, None, max_tokens=5)  # not for a decode: untouched
+        prefill.add_request(plain)
+        assert plain.num_prompt_tokens == 100
+    finally:
+        prefill.connector.shutdown()
+
+
+def test_decode_claims_exactly_the_staged_tokens_and_refuses_a_whole_prompt():
+    decode = make_scheduler("kv_consumer", BS, mamba=True, engine_id="dec")
+    try:
+        decode.add_request(make_request("d1", 100, remote_params(99), max_tokens=2))
+        out, _ = step(decode)
+        (load,) = meta(out).loads
+        assert load.error is None and load.end == 99  # the state is h(99): no fewer
+        decode.add_request(make_request("d2", 100, remote_params(100), max_tokens=2))
+        out, _ = step(decode)
+        (load,) = meta(out).loads
+        assert load.error is not None and "stop at least one token short" in load.error
+    finally:
+        decode.connector.shutdown()
