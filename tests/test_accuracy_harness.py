@@ -190,3 +190,34 @@ def test_hybrid_model_negative_control_fails(hybrid_model):
     )  # fmt: skip
     assert rc != 0 and "corrupted KV was detected" in out
     assert float(last_line(out).group(3)) < 50.0  # zeroed KV: greedy answers diverge
+
+
+@pytest.fixture(scope="module")
+def mamba_model(tmp_path_factory) -> Path:
+    """Random weights: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention, so
+    vLLM gives it a Mamba state group beside its KV cache group."""
+    model = tmp_path_factory.mktemp("models") / "random-granite-hybrid"
+    script = str(ROOT / "scripts" / "make_random_model.py")
+    python = str(ROOT / ".venv" / "bin" / "python")
+    subprocess.run([python, script, str(model), "--arch", "granite_hybrid"], check=True)
+    return model
+
+
+def test_mamba_hybrid_model_moves_its_state(mamba_model):
+    """vLLM on CPU keeps one Mamba state block per request only without prefix caching.
+    The prefill stops a token short; the decode loads the KV and the state and recomputes
+    the last prompt token from that state. Every load must succeed and cover all but that
+    token. Agreement is gated at 50%, not 100%: the decode's one-token state update and the
+    reference's prefill scan round differently in bf16, and this random model's greedy
+    answers then part after 12-16 tokens in some prompts (2 of 8 measured)."""
+    rc, out = harness_leaves_nothing(MODEL=str(mamba_model), NUM_PROMPTS="8", PREFIX_CACHING="0")
+    fails = [line for line in out.splitlines() if line.startswith("FAIL:")]
+    assert all("agreement" in line for line in fails), fails
+    loads = re.search(r"loaded_requests=(\d+) loaded_tokens=(\d+) load_failures=(\d+)", out)
+    prompt_tokens = re.search(r"prompt_tokens=(\d+)", out)
+    assert loads and prompt_tokens, out[-2000:]
+    assert (int(loads.group(1)), int(loads.group(3))) == (8, 0)
+    assert int(loads.group(2)) == int(prompt_tokens.group(1)) - 8  # one short per prompt
+    agreement = float(last_line(out).group(3))
+    print(f"[mamba] agreement {agreement}% rc={rc}")
+    assert agreement >= 50.0

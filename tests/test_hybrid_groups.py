@@ -124,18 +124,3 @@ def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
         assert worker.get_block_ids_with_load_errors() == set()
     finally:
         worker.shutdown()
-
-
-def test_a_mamba_group_is_refused_by_name():
-    """Moving SSM state is not implemented: an engine with a Mamba group must not start."""
-    import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
-
-    from tests.vllm_harness import make_kv_cache_config
-    from vllm_qaic_connector.kv_groups import groups_of
-
-    attention = make_kv_cache_config(BS).kv_cache_groups[0]
-    mamba = MambaSpec(block_size=512, shapes=((3, 640), (8, 64, 64)), dtypes=(torch.float32,) * 2)
-    config = KVCacheConfig(64, [], [KVCacheGroupSpec(["model.layers.2.mixer"], mamba), attention])
-    with pytest.raises(ValueError, match="KV cache group 0 is MambaSpec"):
-        groups_of(config)
