@@ -159,10 +159,14 @@ def hybrid_model(tmp_path_factory) -> Path:
     """Random weights, another architecture and geometry than the shipped model: Gemma3
     text, 4 layers alternating sliding-window (64 tokens) and full attention, 2 KV heads of
     64. vLLM's hybrid KV cache manager gives it two KV cache groups."""
-    model = tmp_path_factory.mktemp("models") / "random-gemma3"
+    return random_model(tmp_path_factory, "gemma3")
+
+
+def random_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    model = tmp_path_factory.mktemp("models") / f"random-{arch}"
     script = str(ROOT / "scripts" / "make_random_model.py")
     python = str(ROOT / ".venv" / "bin" / "python")
-    subprocess.run([python, script, str(model), "--arch", "gemma3"], check=True)
+    subprocess.run([python, script, str(model), "--arch", arch], check=True)
     return model
 
 
@@ -196,11 +200,7 @@ def test_hybrid_model_negative_control_fails(hybrid_model):
 def mamba_model(tmp_path_factory) -> Path:
     """Random weights: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention, so
     vLLM gives it a Mamba state group beside its KV cache group."""
-    model = tmp_path_factory.mktemp("models") / "random-granite-hybrid"
-    script = str(ROOT / "scripts" / "make_random_model.py")
-    python = str(ROOT / ".venv" / "bin" / "python")
-    subprocess.run([python, script, str(model), "--arch", "granite_hybrid"], check=True)
-    return model
+    return random_model(tmp_path_factory, "granite_hybrid")
 
 
 def test_mamba_hybrid_model_moves_its_state(mamba_model):
