@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -85,8 +86,11 @@ def cpu_seconds(servers: list[Server]) -> float:
     return total / 100.0
 
 
-def start(setup: str, run: LiveRun) -> tuple[str, str | None, list[Server]]:
-    """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server)."""
+def start(
+    setup: str, run: LiveRun, extra: dict[str, Any] | None = None
+) -> tuple[str, str | None, list[Server]]:
+    """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server);
+    ``extra``: this connector's extra config."""
     if setup == "aggregated":
         agg = run.vllm("aggregated", "0", None)
         wait_all_ready(agg, retries=1)
@@ -102,8 +106,9 @@ def start(setup: str, run: LiveRun) -> tuple[str, str | None, list[Server]]:
     else:
         transport = "nixl" if setup == "qaic-nixl" else "shm"
         decode_block = ["--block-size", "32"] if setup.endswith("128to32") else []
-        p = run.vllm("prefill", "0", kv_config("kv_producer", run.engine_id("p"), 0, transport))
-        d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport)
+        p_kv = kv_config("kv_producer", run.engine_id("p"), 0, transport, **(extra or {}))
+        p = run.vllm("prefill", "0", p_kv)
+        d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport, **(extra or {}))
         d = run.vllm("decode", "1", d_kv, extra_args=decode_block)
         proxy = run.proxy([p.url], [d.url], [d.side_channel])
     wait_all_ready(p, d, proxy, retries=1)
@@ -163,6 +168,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="8 prompts at concurrency 4: aggregated, qaic-shm-128to32, nixl-connector",
     )
+    p.add_argument("--async-saves", action="store_true", help="this connector with async_saves on")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)  # fmt: skip
@@ -187,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     for setup in args.setups:
         t0 = time.monotonic()
         with LiveRun(f"cmp{setup}") as run:
-            url, prefill_url, servers = start(setup, run)
+            extra = {"async_saves": True} if args.async_saves else None
+            url, prefill_url, servers = start(setup, run, extra)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
             # Warm at the highest concurrency: a first batch of new shape is several times
             # slower on vLLM's CPU backend, and a P/D pair has two engines to warm.

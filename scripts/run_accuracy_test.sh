@@ -29,6 +29,7 @@ PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
+DTYPE=${DTYPE:-}  # --dtype for every server (vLLM on CPU serves float32 checkpoints in bf16)
 ASYNC_SAVES=${ASYNC_SAVES:-0}  # 1: the connector's async_saves (staging off the step)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
@@ -122,6 +123,7 @@ serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args
   [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)
   [ "$HMA" = 0 ] && args+=(--disable-hybrid-kv-cache-manager)
   [ "$PREFIX_CACHING" = 0 ] && args+=(--no-enable-prefix-caching)
+  [ -n "$DTYPE" ] && args+=(--dtype "$DTYPE")
   [ -n "$ktc" ] && args+=(--kv-transfer-config "$ktc")
   args+=("$@")
   # `python -m vllm.entrypoints.openai.api_server` is `vllm serve` without the CLI's
