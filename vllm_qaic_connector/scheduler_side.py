@@ -283,15 +283,15 @@ class SchedulerSide:
             unusable = ticket_problem(parsed, self._key)
             if unusable:  # before anything else: an unsigned peer address is not contacted
                 raise ValueError(unusable)
-            if has_state(self.groups) and num_tokens >= len(prompt):
-                raise ValueError(
-                    f"the prefill staged {num_tokens} of {len(prompt)} prompt tokens; a "
-                    "model with Mamba layers needs it to stop at least one token short"
-                )
             if num_tokens > len(prompt):
                 raise ValueError(
                     f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
                     f"the prompt ({len(prompt)} tokens)"
+                )
+            if has_state(self.groups) and num_tokens == len(prompt):
+                raise ValueError(
+                    f"the prefill staged all {num_tokens} prompt tokens; a model with "
+                    "Mamba layers needs it to stop at least one token short"
                 )
             if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
                 raise ValueError(
