@@ -79,7 +79,11 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
         if a != b:
             return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}"
     if mine.compat_hash != theirs.compat_hash:
-        return f"peer {theirs.engine_id!r} has a different compatibility hash"
+        return (
+            f"peer {theirs.engine_id!r} has a different compatibility hash: its sliding "
+            "windows or Mamba state shapes differ (Mamba state is split by TP rank, so both "
+            "sides must run the same TP size)"
+        )
     return None
 
 
