@@ -21,7 +21,8 @@ from tests.vllm_harness import (
 )
 from vllm_qaic_connector.kv_groups import groups_of, state_bytes
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat
-from vllm_qaic_connector.recurrent_state import RecurrentState
+from vllm_qaic_connector.recurrent_state import RecurrentState, mamba2_splits
+from vllm_qaic_connector.tp_mapping import reads_needed, source_ranks
 from vllm_qaic_connector.transports.shm import SharedSegment
 from vllm_qaic_connector.wire import compat_hash
 
@@ -57,7 +58,7 @@ def test_state_crosses_a_real_shm_segment_into_another_engines_block():
     decode = RecurrentState((vllm_like_state(8, 3), vllm_like_state(8, 4)), (0, 0))
     assert prefill.signature() == decode.signature()
     geo = KVGeometry(2, 32, BS, torch.float32)
-    fmt = StagingFormat("vllm_cpu", geo, 2, (), prefill.nbytes)
+    fmt = StagingFormat("vllm_cpu", geo, 2, (), prefill.nbytes())
     n = 37  # KV of 3 blocks per layer, then the state, aligned
     name = f"qaic_kv_test_state_{os.getpid()}"
     own = SharedSegment(name, 1 << 22, create=True)
@@ -85,11 +86,99 @@ def test_state_crosses_a_real_shm_segment_into_another_engines_block():
 
 def test_the_compat_hash_tells_state_shapes_apart():
     a = RecurrentState((vllm_like_state(2, 1),), (0,)).signature()
-    b = (a[0].replace("8x64x64", "4x64x64"),)  # half the heads: another TP size
+    b = (a[0].replace("8x64x64", "4x64x64"),)  # half the heads
     assert compat_hash("m", "float32", 2, 2, 32, (), a) != compat_hash(
         "m", "float32", 2, 2, 32, (), b
     )
     assert compat_hash("m", "float32", 2, 2, 32, (), a) != compat_hash("m", "float32", 2, 2, 32)
+    # A state whose split is unknown names the TP size: another TP size is refused.
+    tp2 = RecurrentState((vllm_like_state(2, 1),), (0,), tp_size=2).signature()
+    assert tp2 != a
+
+
+# Mamba2 sizes: heads, head_dim, B/C groups, d_state; the conv keeps K - 1 = 3 columns.
+H, HD, S, KM1 = 4, 3, 5, 3
+
+
+def global_state(groups: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole model's conv channels (x, B, C as [channels, K-1]) and SSM state."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(H * HD, KM1, generator=g)
+    bc = torch.randn(2 * groups * S, KM1, generator=g)
+    return x, bc, torch.randn(H, HD, S, generator=g)
+
+
+def shard(state, groups: int, tp: int, rank: int, ds: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's block as vLLM's MambaMixer2 shards it: its heads' x channels, its groups'
+    B and C channels (one group everywhere when the model has one), its heads' SSM state."""
+    x, bc, ssm = state
+    per = H // tp
+    mine = [0] if groups == 1 else range(rank * groups // tp, (rank + 1) * groups // tp)
+    b = torch.cat([bc[g * S : (g + 1) * S] for g in mine])
+    c = torch.cat([bc[(groups + g) * S : (groups + g + 1) * S] for g in mine])
+    conv = torch.cat([x[rank * per * HD : (rank + 1) * per * HD], b, c])
+    return (conv if ds else conv.T.contiguous()), ssm[rank * per : (rank + 1) * per].clone()
+
+
+def engine_rank(groups: int, tp: int, rank: int, ds: bool, seed: int) -> RecurrentState:
+    """A rank's state tensors (4 blocks, random) with the splits the worker derives."""
+    conv, ssm = shard(global_state(groups, seed), groups, tp, rank, ds)
+    tensors = (torch.randn(4, *conv.shape), torch.randn(4, *ssm.shape))
+    splits = mamba2_splits([conv.shape, ssm.shape], H, HD, groups, S, tp)
+    assert splits is not None
+    return RecurrentState((tensors,), (0,), (splits,), tp, rank)
+
+
+TP_PAIRS = [(2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (2, 2)]
+# vLLM splits B/C groups evenly over TP, or replicates a single group.
+SPLITS = [(g, p, d) for g in (1, 2, 4) for p, d in TP_PAIRS if g == 1 or not (g % p or g % d)]
+
+
+@pytest.mark.parametrize("ds", [True, False], ids=["DS", "SD"])
+@pytest.mark.parametrize("groups,src_tp,dst_tp", SPLITS)
+def test_mamba2_state_moves_between_tp_sizes(ds, groups, src_tp, dst_tp):
+    """Each prefill rank stages its own shard; each decode rank gathers exactly its
+    shard, vLLM's, from the ranks it reads, and nothing else in its cache changes."""
+    want = global_state(groups, seed=0)
+    prefills = [engine_rank(groups, src_tp, r, ds, 10 + r) for r in range(src_tp)]
+    regions = []
+    for r, p in enumerate(prefills):
+        conv, ssm = shard(want, groups, src_tp, r, ds)
+        p.layers[0][0][1].copy_(conv)
+        p.layers[0][1][1].copy_(ssm)
+        region = torch.empty(p.nbytes(), dtype=torch.uint8)
+        assert p.save(([1],), region) == p.nbytes()
+        regions.append(region)
+    assert len({p.signature() for p in prefills}) == 1
+    total_heads = 2  # KV heads: whichever ranks they need, the state's ranks are read
+    for d in range(dst_tp):
+        decode = engine_rank(groups, dst_tp, d, ds, 20 + d)
+        assert decode.signature() == prefills[0].signature()
+        before = [t.clone() for t in decode.layers[0]]
+        for r in source_ranks(total_heads, src_tp, dst_tp, d, state=True):
+            decode.load(regions[r], ([2],), src_tp, r)
+        conv, ssm = shard(want, groups, dst_tp, d, ds)
+        assert torch.equal(decode.layers[0][0][2], conv)
+        assert torch.equal(decode.layers[0][1][2], ssm)
+        for t, old in zip(decode.layers[0], before, strict=True):
+            keep = [0, 1, 3]
+            assert torch.equal(t[keep], old[keep])
+
+
+def test_shapes_that_are_not_mamba2s_have_no_split():
+    conv, ssm = (H * HD + 2 * S, KM1), (H, HD, S)
+    assert mamba2_splits([conv, ssm], H, HD, 1, S, 1) is not None
+    assert mamba2_splits([conv, (H, HD, S + 1)], H, HD, 1, S, 1) is None
+    assert mamba2_splits([(H * HD, KM1), ssm], H, HD, 1, S, 1) is None  # no B, C
+
+
+def test_a_state_read_adds_the_ranks_its_shards_need():
+    # One KV head over TP 2 -> 2: decode rank 1 reads the head from prefill rank 0, but
+    # its Mamba heads live on prefill rank 1: both are read, and the ack waits for both.
+    assert source_ranks(1, 2, 2, 1) == [0]
+    assert source_ranks(1, 2, 2, 1, state=True) == [0, 1]
+    assert reads_needed(1, 2, 2, state=True) == {(0, 0), (1, 0), (1, 1)}
+    assert reads_needed(2, 2, 1, state=True) == {(0, 0), (0, 1)}
 
 
 def test_prefill_stops_one_token_short_and_stages_the_state_after_the_kv():

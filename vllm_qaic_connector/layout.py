@@ -17,8 +17,6 @@ from typing import ClassVar
 
 import torch
 
-from vllm_qaic_connector.recurrent_state import state_offset
-
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -306,6 +304,13 @@ def plan_slot_reads(
 
 # ---------------------------------------------------------------------------
 # Staging: one request's KV laid out as [layers][physical blocks] in a flat region
+
+STATE_ALIGN = 64  # the state starts aligned in staging, so any dtype can view it in place
+
+
+def state_offset(kv_bytes: int) -> int:
+    """Where the recurrent state starts in a staged request whose KV takes ``kv_bytes``."""
+    return -(-kv_bytes // STATE_ALIGN) * STATE_ALIGN
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
-from vllm_qaic_connector.tp_mapping import head_sources, reads_needed
+from vllm_qaic_connector.tp_mapping import reads_needed, source_ranks
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -234,11 +234,11 @@ class SchedulerSide:
         if not self.pool.has(rid) or not 0 <= ack.reader_rank < ack.reader_tp <= MAX_TP:
             return  # nothing staged under that id (any more), or a nonsense reader
         try:
-            needed = reads_needed(total_heads, src_tp, ack.reader_tp)
+            state = has_state(self.groups)  # its shards add reads across TP sizes
+            needed = reads_needed(total_heads, src_tp, ack.reader_tp, state)
             sources = ack.source_ranks
             if sources is None:
-                mine = head_sources(total_heads, src_tp, ack.reader_tp, ack.reader_rank)
-                sources = [s.src_rank for s in mine]
+                sources = source_ranks(total_heads, src_tp, ack.reader_tp, ack.reader_rank, state)
         except ValueError as exc:
             logger.warning("QAICConnector: ignoring acknowledgement of %s: %s", rid, exc)
             return

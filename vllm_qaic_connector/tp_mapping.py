@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm_qaic_connector.layout import HeadRange
@@ -29,13 +30,16 @@ class HeadSource:
     heads: HeadRange
 
 
-def head_sources(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> list[HeadSource]:
+def head_sources(
+    total_heads: int, src_tp: int, dst_tp: int, dst_rank: int, among: Sequence[int] = ()
+) -> list[HeadSource]:
     """The minimal set of (prefill rank, head range) reads that fill one decode rank.
-    A head replicated on several prefill ranks is read once, from the first."""
+    A head replicated on several prefill ranks is read once, from the first (of ``among``,
+    when given: the ranks read anyway)."""
     want = heads_of_rank(total_heads, dst_tp, dst_rank)
     sources: list[HeadSource] = []
     next_head = want.start
-    for src in range(src_tp):
+    for src in among or range(src_tp):
         have = heads_of_rank(total_heads, src_tp, src)
         lo, hi = max(next_head, have.start), min(want.stop, have.stop)
         if lo < hi:
@@ -48,10 +52,30 @@ def head_sources(total_heads: int, src_tp: int, dst_tp: int, dst_rank: int) -> l
     return sources
 
 
-def reads_needed(total_heads: int, src_tp: int, dst_tp: int) -> frozenset[tuple[int, int]]:
+def overlapping_ranks(src_tp: int, dst_tp: int, dst_rank: int) -> list[int]:
+    """Prefill ranks whose share of an evenly split dimension overlaps the decode rank's:
+    where a decode rank finds its part of a recurrent state (split by Mamba heads)."""
+    return [r for r in range(src_tp) if r * dst_tp < (dst_rank + 1) * src_tp
+            and (r + 1) * dst_tp > dst_rank * src_tp]  # fmt: skip
+
+
+def source_ranks(
+    total_heads: int, src_tp: int, dst_tp: int, dst_rank: int, state: bool = False
+) -> list[int]:
+    """Every prefill rank a decode rank reads: those holding its KV heads and, for a model
+    with recurrent state, those holding part of its state."""
+    ranks = {s.src_rank for s in head_sources(total_heads, src_tp, dst_tp, dst_rank)}
+    if state:
+        ranks.update(overlapping_ranks(src_tp, dst_tp, dst_rank))
+    return sorted(ranks)
+
+
+def reads_needed(
+    total_heads: int, src_tp: int, dst_tp: int, state: bool = False
+) -> frozenset[tuple[int, int]]:
     """Every (decode rank, prefill rank) read a handoff between these TP sizes takes."""
     return frozenset(
-        (dst, source.src_rank)
+        (dst, src)
         for dst in range(dst_tp)
-        for source in head_sources(total_heads, src_tp, dst_tp, dst)
+        for src in source_ranks(total_heads, src_tp, dst_tp, dst, state)
     )

@@ -63,7 +63,7 @@ def compat_hash(
     states: tuple[str, ...] = (),
 ) -> str:
     """``windows``: each layer's sliding window, for hybrid models (empty: all full);
-    ``states``: each Mamba layer's state shapes on this rank (so TP sizes must match)."""
+    ``states``: each Mamba layer's state shapes and TP split (``RecurrentState.signature``)."""
     text = f"{model}|{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
     if any(windows):
         text += f"|{','.join(map(str, windows))}"
@@ -81,8 +81,8 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     if mine.compat_hash != theirs.compat_hash:
         return (
             f"peer {theirs.engine_id!r} has a different compatibility hash: its sliding "
-            "windows or Mamba state shapes differ (Mamba state is split by TP rank, so both "
-            "sides must run the same TP size)"
+            "windows or Mamba state shapes differ (a state whose TP split is unknown, i.e. "
+            "not Mamba2's, needs the same TP size on both sides)"
         )
     return None
 

@@ -38,7 +38,7 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.loader import Loader, WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.recurrent_state import RecurrentState
+from vllm_qaic_connector.recurrent_state import RecurrentState, Split, mamba2_splits
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.tickets import (
@@ -48,7 +48,7 @@ from vllm_qaic_connector.tickets import (
     checked_read,
     new_incarnation,
 )
-from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
+from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank, source_ranks
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
 from vllm_qaic_connector.wire import (
     RankMetadata,
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 
 Views = tuple[torch.Tensor, torch.Tensor]
+SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
 
 
 @dataclass
@@ -128,6 +129,7 @@ class RankIdentity:
     total_kv_heads: int
     model: str
     produces: bool = True  # stages KV for others (kv_producer, kv_both)
+    ssm_groups: int | None = None  # Mamba2's B/C groups in the model (None: unknown)
 
 
 class WorkerSide:
@@ -182,6 +184,7 @@ class WorkerSide:
         groups = groups_of(kv_cache_config)
         spec = attention_spec(kv_cache_config)
         model_cfg = vllm_config.model_config
+        hf = model_cfg.hf_text_config
         identity = RankIdentity(
             engine_id=str(ktc.engine_id),
             tp_rank=get_tensor_model_parallel_rank(),
@@ -189,6 +192,9 @@ class WorkerSide:
             total_kv_heads=model_cfg.get_total_num_kv_heads(),
             model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
             produces=bool(ktc.is_kv_producer),
+            ssm_groups=next(
+                (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
+            ),
         )
         geometry = KVGeometry(
             num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
@@ -209,9 +215,14 @@ class WorkerSide:
 
         state_names = ordered_layers(self.groups, state=True)
         if state_names:
+            layers = tuple(self._state_tensors(n, kv_caches) for n in state_names)
+            splits = [self._state_splits(n, t) for n, t in zip(state_names, layers, strict=True)]
             self.state = RecurrentState(
-                tuple(self._state_tensors(n, kv_caches) for n in state_names),
+                layers,
                 layer_groups(self.groups, state_names),
+                () if None in splits else tuple(s for s in splits if s is not None),
+                self.tp_size,
+                self.tp_rank,
             )
         names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
         tensors = [kv_caches[n] for n in names]
@@ -275,6 +286,20 @@ class WorkerSide:
         ):
             raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
         return tuple(state)
+
+    def _state_splits(
+        self, name: str, tensors: tuple[torch.Tensor, ...]
+    ) -> tuple[Split, ...] | None:
+        """How a Mamba2 layer's state splits over TP ranks (None: not known, so a peer of
+        another TP size is refused at the handshake)."""
+        module = self.layer_modules.get(name)
+        dims = [getattr(module, a, None) for a in ("num_heads", "head_dim", "ssm_state_size")]
+        groups = self.identity.ssm_groups
+        if len(tensors) != 2 or groups is None or not all(isinstance(d, int) for d in dims):
+            return None
+        heads, head_dim, d_state = (int(d) for d in dims)  # type: ignore[arg-type]
+        shapes = [t.shape[1:] for t in tensors]
+        return mamba2_splits(shapes, heads, head_dim, groups, d_state, self.tp_size)
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
@@ -362,15 +387,25 @@ class WorkerSide:
             self._stats.add("bytes_copied", written)
             self._stats.sample("save_seconds", time.monotonic() - t0)
 
+    @property
+    def _tp(self) -> tuple[int, int]:
+        return self.tp_size, self.tp_rank
+
     def _group(self, layer: int) -> int:
         return self.layer_groups[layer] if self.layer_groups else 0
 
     def _format(
-        self, kind: str, geometry: KVGeometry, num_layers: int, group_starts: tuple[int, ...]
+        self,
+        kind: str,
+        geometry: KVGeometry,
+        num_layers: int,
+        group_starts: tuple[int, ...],
+        tp: tuple[int, int] | None = None,
     ) -> StagingFormat:
-        """A staged request's format; ``group_starts``: its first staged token per group."""
+        """A staged request's format; ``group_starts``: its first staged token per group;
+        ``tp``: (size, rank) of the rank that staged it, if not this one."""
         firsts = layer_starts(group_starts, self.layer_groups, num_layers)
-        state = self.state.nbytes if self.state else 0
+        state = self.state.nbytes(*(tp or (None, None))) if self.state else 0
         return StagingFormat(kind, geometry, num_layers, firsts, state)
 
     # --- loads --------------------------------------------------------------------------------
@@ -429,29 +464,27 @@ class WorkerSide:
         if spec.holds_until and time.time() > spec.holds_until:
             late = time.time() - spec.holds_until
             raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
-        total = self.identity.total_kv_heads
+        total, src_tp = self.identity.total_kv_heads, len(ranks)
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
         copied, reads, t0 = 0, 0, time.monotonic()
-        # Each source rank staged its own head shard; read only the heads this rank holds.
-        for source in head_sources(total, len(ranks), self.tp_size, self.tp_rank):
-            src_rank = ranks[source.src_rank]
+        # Each source rank staged its own head shard (and state shard); read only what
+        # this rank holds.
+        kv_heads = {s.src_rank: s.heads for s in head_sources(total, src_tp, *self._tp)}
+        for r in source_ranks(total, src_tp, *self._tp, state=self.state is not None):
+            src_rank = ranks[r]
             src_geo = KVGeometry(
-                len(heads_of_rank(total, len(ranks), source.src_rank)),
+                len(heads_of_rank(total, src_tp, r)),
                 src_rank.head_size,
                 remote.staged_block_size,
                 self.geometry.dtype,
             )
             staged = remote.group_starts or (0,) * len(spec.block_ids)
-            fmt = self._format(remote.staged_layout, src_geo, src_rank.num_layers, staged)
+            fmt = self._format(
+                remote.staged_layout, src_geo, src_rank.num_layers, staged, (src_tp, r)
+            )
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
-            notify = ack_message(
-                remote.remote_request_id,
-                self.tp_rank,
-                self.tp_size,
-                source.src_rank,
-                self._key,
-            )
+            notify = ack_message(remote.remote_request_id, self.tp_rank, self.tp_size, r, self._key)
             with (
                 checked_read(
                     self.transport,
@@ -465,14 +498,16 @@ class WorkerSide:
             ):
                 views = fmt.layer_views(region, remote.num_tokens)
                 for i, (src, dst) in enumerate(zip(views, self.layers, strict=True)):
+                    if r not in kv_heads:  # read for its state only
+                        break
                     t, shift = spec.start(self._group(i)), fmt.shift(i)
                     copied += copy_tokens(
                         src, src_blocks, dst, spec.block_ids[self._group(i)], t - shift,
-                        spec.end - shift, source.heads, dst_t0=t,
+                        spec.end - shift, kv_heads[r], dst_t0=t,
                     )  # fmt: skip
                 if self.state is not None:
                     region_state = fmt.state_region(region, remote.num_tokens)
-                    copied += self.state.load(region_state, spec.block_ids)
+                    copied += self.state.load(region_state, spec.block_ids, src_tp, r)
                 if self.cfg.debug_corrupt_loaded_kv:
                     for i, dst in enumerate(self.layers):
                         self._corrupt(dst, spec, self._group(i))
