@@ -194,15 +194,18 @@ def mamba_model(tmp_path_factory) -> Path:
     return random_model(tmp_path_factory, "granite_hybrid")
 
 
-def test_mamba_hybrid_model_moves_its_state(mamba_model):
+def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
     """vLLM on CPU keeps one Mamba state block per request only without prefix caching.
     The prefill stops a token short; the decode loads the KV and the state and recomputes
-    the last prompt token from that state. Served in float32: in bf16 the decode's state
-    update and the reference's prefill scan round differently, and this random model's
-    near-tied answers part after a dozen words in some prompts (2 of 8 measured)."""
+    the last prompt token from that state. The prefill runs TP 2, the decode TP 1: the
+    decode gathers each Mamba layer's conv channels and SSM heads from both prefill ranks
+    (with the state gather switched off, agreement measured 0%). Served in float32: in
+    bf16 the decode's state update and the reference's prefill scan round differently,
+    and this random model's near-tied answers part after a dozen words in some prompts."""
     rc, out = harness_leaves_nothing(
-        MODEL=str(mamba_model), NUM_PROMPTS="8", PREFIX_CACHING="0", DTYPE="float32"
-    )
+        MODEL=str(mamba_model), NUM_PROMPTS="8", PREFIX_CACHING="0", DTYPE="float32",
+        PREFILLER_TP_SIZE="2",
+    )  # fmt: skip
     assert rc == 0 and float(last_line(out).group(3)) == 100.0
     loads = re.search(r"loaded_tokens=(\d+) .*prompt_tokens=(\d+)", out)
     assert loads, out[-2000:]
