@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import requests
 
 from tests.ports import free_port
@@ -205,6 +206,14 @@ def copy_prompts(n: int, seed: str | int = 0, tokens: int | None = None) -> list
     """``n`` copy-task (prompt, answer) pairs; ``tokens`` fixes the prompt length."""
     rng = random.Random(f"live-servers-{seed}")
     return [copy_task.make_example(rng, prompt_tokens=tokens) for _ in range(n)]
+
+
+def random_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
+    """A random-weights model of ``arch`` (scripts/make_random_model.py) in a fresh dir."""
+    model = tmp_path_factory.mktemp("models") / f"random-{arch}"
+    script = str(ROOT / "scripts" / "make_random_model.py")
+    subprocess.run([str(PY), script, str(model), "--arch", arch], check=True)
+    return model
 
 
 def is_correct(body: dict[str, Any], answer: str) -> bool:
@@ -526,7 +535,8 @@ class Server:
 
 
 class VllmServer(Server):
-    """``python -m vllm.entrypoints.openai.api_server`` on the shipped model, one core."""
+    """``python -m vllm.entrypoints.openai.api_server`` on one core, by default on the
+    shipped model."""
 
     def __init__(
         self,
@@ -537,11 +547,12 @@ class VllmServer(Server):
         port: int | None = None,
         extra_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        model: Path = MODEL,
     ) -> None:
         port = port or free_port()
         argv = [
             str(PY), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(MODEL), "--served-model-name", "model", "--enforce-eager",
+            "--model", str(model), "--served-model-name", "model", "--enforce-eager",
             "--max-model-len", "1024", "--block-size", "128", "--seed", "0",
             "--port", str(port), "--host", "127.0.0.1",
         ]  # fmt: skip
@@ -645,9 +656,10 @@ class LiveRun:
         port: int | None = None,
         extra_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
+        model: Path = MODEL,
     ) -> VllmServer:
         """Starts (does not wait for) a vLLM server; call ``wait_ready`` on it."""
-        server = VllmServer(name, self.dir, core, kv, port, extra_args, extra_env)
+        server = VllmServer(name, self.dir, core, kv, port, extra_args, extra_env, model)
         self.servers.append(server)
         server.start()
         return server

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.live_servers import random_model
+
 ROOT = Path(__file__).resolve().parent.parent
 LAST = re.compile(
     r"^accuracy: disagg=(\S+) aggregated=(\S+) agreement=(\S+)% prompts=(\d+) "
@@ -160,14 +162,6 @@ def hybrid_model(tmp_path_factory) -> Path:
     text, 4 layers alternating sliding-window (64 tokens) and full attention, 2 KV heads of
     64. vLLM's hybrid KV cache manager gives it two KV cache groups."""
     return random_model(tmp_path_factory, "gemma3")
-
-
-def random_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
-    model = tmp_path_factory.mktemp("models") / f"random-{arch}"
-    script = str(ROOT / "scripts" / "make_random_model.py")
-    python = str(ROOT / ".venv" / "bin" / "python")
-    subprocess.run([python, script, str(model), "--arch", arch], check=True)
-    return model
 
 
 def test_hybrid_model_128_to_32_moves_only_the_window_tail(hybrid_model):
