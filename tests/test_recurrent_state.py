@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tests.vllm_harness import (
 )
 from vllm_qaic_connector.kv_groups import groups_of, state_bytes
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat
-from vllm_qaic_connector.recurrent_state import RecurrentState, mamba2_splits
+from vllm_qaic_connector.recurrent_state import RecurrentState, mamba2_splits, mixer_splits
 from vllm_qaic_connector.tp_mapping import reads_needed, source_ranks
 from vllm_qaic_connector.transports.shm import SharedSegment
 from vllm_qaic_connector.wire import compat_hash
@@ -170,6 +171,12 @@ def test_shapes_that_are_not_mamba2s_have_no_split():
     assert mamba2_splits([conv, ssm], H, HD, 1, S, 1) is not None
     assert mamba2_splits([conv, (H, HD, S + 1)], H, HD, 1, S, 1) is None
     assert mamba2_splits([(H * HD, KM1), ssm], H, HD, 1, S, 1) is None  # no B, C
+    # From a vLLM MambaMixer2's sizes; a mixer without them, or unknown groups: no split.
+    mixer = SimpleNamespace(num_heads=H, head_dim=HD, ssm_state_size=S)
+    tensors = [torch.empty(2, *conv), torch.empty(2, *ssm)]
+    assert mixer_splits(mixer, tensors, 1, 1) == mamba2_splits([conv, ssm], H, HD, 1, S, 1)
+    assert mixer_splits(mixer, tensors, None, 1) is None
+    assert mixer_splits(SimpleNamespace(), tensors, 1, 1) is None
 
 
 def test_a_state_read_adds_the_ranks_its_shards_need():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +63,18 @@ def mamba2_splits(
     if len(axes) != 1 or heads % tp or ssm != (heads // tp, head_dim, d_state):
         return None
     return Split(axes[0], channels.segments), Split(0, ((heads, 1),))
+
+
+def mixer_splits(
+    mixer: Any, tensors: Sequence[torch.Tensor], groups: int | None, tp: int
+) -> tuple[Split, ...] | None:
+    """The splits of a Mamba layer's state tensors (``[blocks, ...]``), read off its vLLM
+    mixer; None where unknown (not Mamba2, or ``groups``, the model's B/C groups, unknown)."""
+    dims = [getattr(mixer, a, None) for a in ("num_heads", "head_dim", "ssm_state_size")]
+    if len(tensors) != 2 or groups is None or not all(isinstance(d, int) for d in dims):
+        return None
+    heads, head_dim, d_state = (int(d) for d in dims)  # type: ignore[arg-type]
+    return mamba2_splits([t.shape[1:] for t in tensors], heads, head_dim, groups, d_state, tp)
 
 
 @dataclass(frozen=True)

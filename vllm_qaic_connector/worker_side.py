@@ -38,7 +38,7 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.loader import Loader, WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.recurrent_state import RecurrentState, Split, mamba2_splits
+from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.tickets import (
@@ -216,7 +216,11 @@ class WorkerSide:
         state_names = ordered_layers(self.groups, state=True)
         if state_names:
             layers = tuple(self._state_tensors(n, kv_caches) for n in state_names)
-            splits = [self._state_splits(n, t) for n, t in zip(state_names, layers, strict=True)]
+            groups = self.identity.ssm_groups
+            splits = [
+                mixer_splits(self.layer_modules.get(n), t, groups, self.tp_size)
+                for n, t in zip(state_names, layers, strict=True)
+            ]
             self.state = RecurrentState(
                 layers,
                 layer_groups(self.groups, state_names),
@@ -286,20 +290,6 @@ class WorkerSide:
         ):
             raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
         return tuple(state)
-
-    def _state_splits(
-        self, name: str, tensors: tuple[torch.Tensor, ...]
-    ) -> tuple[Split, ...] | None:
-        """How a Mamba2 layer's state splits over TP ranks (None: not known, so a peer of
-        another TP size is refused at the handshake)."""
-        module = self.layer_modules.get(name)
-        dims = [getattr(module, a, None) for a in ("num_heads", "head_dim", "ssm_state_size")]
-        groups = self.identity.ssm_groups
-        if len(tensors) != 2 or groups is None or not all(isinstance(d, int) for d in dims):
-            return None
-        heads, head_dim, d_state = (int(d) for d in dims)  # type: ignore[arg-type]
-        shapes = [t.shape[1:] for t in tensors]
-        return mamba2_splits(shapes, heads, head_dim, groups, d_state, self.tp_size)
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
