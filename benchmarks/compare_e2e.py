@@ -168,7 +168,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="8 prompts at concurrency 4: aggregated, qaic-shm-128to32, nixl-connector",
     )
-    p.add_argument("--async-saves", action="store_true", help="this connector with async_saves on")
+    p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)  # fmt: skip
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     for setup in args.setups:
         t0 = time.monotonic()
         with LiveRun(f"cmp{setup}") as run:
-            extra = {"async_saves": True} if args.async_saves else None
+            extra = {"async_saves": False} if args.sync_saves else None
             url, prefill_url, servers = start(setup, run, extra)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
             # Warm at the highest concurrency: a first batch of new shape is several times

@@ -30,7 +30,7 @@ ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
 DTYPE=${DTYPE:-}  # --dtype for every server (vLLM on CPU serves float32 checkpoints in bf16)
-ASYNC_SAVES=${ASYNC_SAVES:-0}  # 1: the connector's async_saves (staging off the step)
+ASYNC_SAVES=${ASYNC_SAVES:-1}  # 0: the connector's async_saves off (staging inside the step)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
 
@@ -110,7 +110,7 @@ export PYTHONUNBUFFERED=1
 if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi
 DEBUG_KEY=""
 [ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
-[ "$ASYNC_SAVES" = 1 ] && DEBUG_KEY="$DEBUG_KEY"',"async_saves":true'
+[ "$ASYNC_SAVES" = 0 ] && DEBUG_KEY="$DEBUG_KEY"',"async_saves":false'
 
 tp_args() {  # tp -> vLLM args; TP ranks are worker processes, one core each
   [ "$1" = 1 ] || echo "--tensor-parallel-size $1 --distributed-executor-backend mp"

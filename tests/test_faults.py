@@ -568,9 +568,14 @@ class TestShm:
         assert all(a.verdict == "correct" for a in answers), [a.brief() for a in answers]
         assert still_waiting, "the bad requests were over before the stream: nothing was tested"
         assert all(a.seconds <= HOSTILE_MAX_S for a in bad_answers), "a dead peer was not bounded"
-        assert statistics.median(ttft1) <= ttft0[-1], (
+        # The larger of the maximum alone and twice the median alone: the maximum of 14
+        # samples on a shared 2-core host moves by tens of ms between runs, while a peer
+        # that stalled the others would cost them seconds (HOSTILE_MAX_S).
+        normal = max(ttft0[-1], 2 * statistics.median(ttft0))
+        assert statistics.median(ttft1) <= normal, (
             f"good requests' TTFT p50 {statistics.median(ttft1):.3f}s beside one dead peer is "
-            f"beyond their spread alone ({ttft0[0]:.3f}-{ttft0[-1]:.3f}s)"
+            f"beyond their normal time ({ttft0[0]:.3f}-{ttft0[-1]:.3f}s alone, bound "
+            f"{normal:.3f}s)"
         )
 
     def test_d_decode_sigkill_mid_transfer(self, shm_cluster: Cluster) -> None:

@@ -166,7 +166,10 @@ ONE_PAGE = {"staging_bytes": 16384 + HEADER_BYTES, "staging_page_bytes": 16384 +
 
 
 def test_full_pool_gives_a_clear_error_after_the_bounded_wait():
-    sched = make_scheduler("kv_producer", BS, {**ONE_PAGE, "staging_wait_s": 0.0})
+    # Saves in the step: f1's blocks come back at once (async saves hold them for the
+    # worker's save thread, which this scheduler-only test has not).
+    cfg = {**ONE_PAGE, "staging_wait_s": 0.0, "async_saves": False}
+    sched = make_scheduler("kv_producer", BS, cfg)
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     try:
         free_before = free_blocks(sched)

@@ -32,9 +32,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     handshake_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
     verify_cpu_layout: bool = True
-    # Saves on a worker thread, off the step. Off by default: no gain measured on CPU, and
-    # the one whole-suite run with it on missed the dead-peer TTFT check (see README).
-    async_saves: bool = False
+    # Saves on a worker thread, off the engine's step; their blocks are held until done.
+    async_saves: bool = True
     kv_cache_prefix: str | None = None
     debug_corrupt_loaded_kv: bool = False
 
