@@ -487,9 +487,8 @@ class WorkerSide:
                 gate.writing(),
             ):
                 views = fmt.layer_views(region, remote.num_tokens)
-                for i, (src, dst) in enumerate(zip(views, self.layers, strict=True)):
-                    if r not in kv_heads:  # read for its state only
-                        break
+                pairs = zip(views, self.layers, strict=True) if r in kv_heads else ()
+                for i, (src, dst) in enumerate(pairs):  # none: a rank read for its state
                     t, shift = spec.start(self._group(i)), fmt.shift(i)
                     copied += copy_tokens(
                         src, src_blocks, dst, spec.block_ids[self._group(i)], t - shift,
