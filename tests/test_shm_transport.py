@@ -152,3 +152,32 @@ def test_symlink_named_like_a_peer_segment_is_refused():
         os.unlink(os.path.join(SHM_DIR, link))
         reader.close()
         target.close()
+
+
+@pytest.mark.parametrize("step", ["register", "frombuffer"])
+def test_an_interrupt_while_creating_a_segment_leaves_nothing(monkeypatch, step):
+    """Ctrl-C as the segment is made, at its first step after the O_EXCL open (registering
+    it with the resource tracker) or its last (the tensor over the mapping): the segment is
+    gone at once, and the tracker no longer names it."""
+    from multiprocessing import resource_tracker
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    name = f"qaic_kv_test_int_{step}_{os.getpid()}"
+    unregistered: list[str] = []
+    real_unregister = resource_tracker.unregister
+
+    def unregister(tracked: str, rtype: str) -> None:
+        unregistered.append(tracked)
+        real_unregister(tracked, rtype)
+
+    monkeypatch.setattr(resource_tracker, "unregister", unregister)
+    if step == "register":
+        monkeypatch.setattr(resource_tracker, "register", interrupted)
+    else:
+        monkeypatch.setattr(torch, "frombuffer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        create_transport("shm", name, 4096, 5.0)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    assert unregistered == ([] if step == "register" else ["/" + name])

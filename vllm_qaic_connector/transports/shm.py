@@ -81,30 +81,35 @@ class SharedSegment:
             if exc.errno == errno.ELOOP:
                 raise ConnectionError(f"shm segment {name!r} is a symlink: refused") from None
             raise
-        self._lock_fd = -1
+        self._lock_fd, tracked = -1, False
         try:
             if create:
+                # First: an interrupt at any later point leaves the segment to the unlink
+                # below or, once we return, to the tracker; never behind.
+                resource_tracker.register("/" + name, "shared_memory")
+                tracked = True
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for reclaim checks
                 os.ftruncate(fd, size)
             elif os.fstat(fd).st_size < size:
                 raise ConnectionError(f"shm segment {name!r} is smaller than advertised")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            with warnings.catch_warnings():
+                # torch warns that its tensor of a read-only buffer is not write-protected;
+                # here the mapping is: a stray write faults in this process, never the peer.
+                warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+                self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
         except BaseException:
             os.close(fd)
             if create:
                 os.unlink(path)
+            if tracked:
+                resource_tracker.unregister("/" + name, "shared_memory")
             raise
         if create:
             self._lock_fd = fd  # kept open: closing it would drop the lock
-            resource_tracker.register("/" + name, "shared_memory")
         else:
             os.close(fd)
-        with warnings.catch_warnings():
-            # torch warns that its tensor of a read-only buffer is not write-protected; here
-            # the mapping is: a stray write faults in this process, never reaching the peer.
-            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
-            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self) -> None:
         # Never munmap here: torch views of the mapping may still be alive, and touching
