@@ -166,7 +166,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="8 prompts at concurrency 4: aggregated, qaic-shm-128to32, nixl-connector",
+        help="8 prompts at concurrency 4: aggregated and qaic-shm-128to32 (what CI runs)",
     )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
@@ -174,7 +174,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)  # fmt: skip
     if args.quick:
         args.prompts, args.concurrency = 8, [4]
-        args.setups = ["aggregated", "qaic-shm-128to32", "nixl-connector"]
+        args.setups = ["aggregated", "qaic-shm-128to32"]
     if "aggregated" not in args.setups:
         args.setups.insert(0, "aggregated")  # the reference answers and times
     return args
@@ -244,13 +244,14 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
             continue
         agg = by.get(("aggregated", r.concurrency))
         nixl = by.get(("nixl-connector", r.concurrency))
-        checks = {
-            "<=2x agg": agg is not None and r.ttft_p50_ms <= 2 * agg.ttft_p50_ms,
-            "<=0.5x nixl": nixl is not None and r.ttft_p50_ms <= 0.5 * nixl.ttft_p50_ms,
+        checks = {  # None: its reference setup did not run
+            "<=2x agg": agg and r.ttft_p50_ms <= 2 * agg.ttft_p50_ms,
+            "<=0.5x nixl": nixl and r.ttft_p50_ms <= 0.5 * nixl.ttft_p50_ms,
             "p95<=3x p50": r.ttft_p95_ms <= 3 * r.ttft_p50_ms,
             "0 stalls": r.stalls == 0,
         }
-        flags = " ".join(f"{k}:{'met' if v else 'NOT met'}" for k, v in checks.items())
+        words = {None: "not run", True: "met", False: "NOT met"}
+        flags = " ".join(f"{k}:{words[v]}" for k, v in checks.items())
         print(f"  {r.setup} c={r.concurrency}: {flags}")
     if "aggregated" in rates and "connector" in rates:
         ratio = rates["connector"] / rates["aggregated"]
