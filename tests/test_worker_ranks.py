@@ -64,6 +64,7 @@ def run_handoff(
     stale=0,
     holds_until=0.0,
     window=0,
+    async_saves=True,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -84,7 +85,7 @@ def run_handoff(
             total_heads=total_heads,
             layout=p_layout,
             block=p_block,
-            extra={"transport": transport},
+            extra={"transport": transport, "async_saves": async_saves},
             save=save,
             window=window,
         ),
@@ -171,21 +172,23 @@ def full_heads(results, total_heads, p_tp, layer, kv):
 
 
 CASES = [
-    # heads, P TP, D TP, P layout, P block, D layout, D block, tokens
-    (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150),
-    (4, 4, 2, "cuda_hnd", 16, "vllm_cpu", 64, 97),
-    (2, 4, 1, "vllm_cpu", 64, "vllm_cpu", 32, 130),  # GQA: heads replicated over prefill
-    (4, 1, 2, "cuda_nhd", 128, "qaic_slot", 256, 200),
+    # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, saves off the step
+    (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, True),
+    (4, 4, 2, "cuda_hnd", 16, "vllm_cpu", 64, 97, True),
+    (2, 4, 1, "vllm_cpu", 64, "vllm_cpu", 32, 130, False),  # GQA: heads replicated over prefill
+    (4, 1, 2, "cuda_nhd", 128, "qaic_slot", 256, 200, True),
 ]
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=lambda c: f"H{c[0]}-P{c[1]}{c[3]}{c[4]}-D{c[2]}{c[5]}{c[6]}"
+    "case",
+    CASES,
+    ids=lambda c: f"H{c[0]}-P{c[1]}{c[3]}{c[4]}-D{c[2]}{c[5]}{c[6]}{'' if c[8] else '-sync'}",
 )
 def test_tp_handoff_bytes_match(case):
-    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n = case
+    total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, async_saves = case
     results, outs, released = run_handoff(
-        total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n
+        total, p_tp, d_tp, p_layout, p_block, d_layout, d_block, n, async_saves=async_saves
     )
     assert all(r["unchanged"] for r in results), "saving modified the prefill's KV cache"
     for d_rank, out in enumerate(outs):
