@@ -245,8 +245,8 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         agg = by.get(("aggregated", r.concurrency))
         nixl = by.get(("nixl-connector", r.concurrency))
         checks = {  # None: its reference setup did not run
-            "<=2x agg": agg and r.ttft_p50_ms <= 2 * agg.ttft_p50_ms,
-            "<=0.5x nixl": nixl and r.ttft_p50_ms <= 0.5 * nixl.ttft_p50_ms,
+            "<=2x agg": None if agg is None else r.ttft_p50_ms <= 2 * agg.ttft_p50_ms,
+            "<=0.5x nixl": None if nixl is None else r.ttft_p50_ms <= 0.5 * nixl.ttft_p50_ms,
             "p95<=3x p50": r.ttft_p95_ms <= 3 * r.ttft_p50_ms,
             "0 stalls": r.stalls == 0,
         }
