@@ -6,7 +6,8 @@ vLLM's NixlConnector (CPU host buffer), 1P1D on the shipped model, same prompts.
 
 Each setup gets its own real servers (prefill on core 0, decode on core 1, the proxy in front;
 aggregated: one server on core 0), started, warmed with two requests, measured, stopped. Per
-setup and concurrency it prints TTFT p50/p95 (first streamed text), TPOT, agreement with the
+setup and concurrency it prints TTFT p50/p95 (first streamed text), the prefill leg's p50
+within it (the proxy's Server-Timing header), TPOT, agreement with the
 aggregated answers, correct copies, stalls (TTFT over 5 s), the servers' CPU seconds per
 request, and ratios: TTFT p50 to aggregated and to NixlConnector's. Then prefill throughput
 with the connector (max_tokens 1, ``do_remote_decode``) against the aggregated server on the
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import random
 import statistics
 import sys
 import time
@@ -48,10 +51,12 @@ SETUPS = ("aggregated", "qaic-shm", "qaic-nixl", "nixl-connector", "qaic-shm-128
 @dataclass
 class Row:
     setup: str
-    concurrency: int
+    concurrency: int  # 0: open loop, requests arriving at ``arrivals_per_s``
+    arrivals_per_s: float
     requests: int
     ttft_p50_ms: float
     ttft_p95_ms: float
+    prefill_p50_ms: float  # the proxy's prefill leg, within TTFT (nan: no proxy)
     tpot_ms: float
     agreement: float  # same text as the aggregated server's
     correct: float  # the copy task's answer
@@ -61,17 +66,24 @@ class Row:
 
 
 async def send_all(
-    url: str, prompts: list[str], concurrency: int, max_tokens: int
+    url: str, prompts: list[str], concurrency: int, max_tokens: int, arrivals_per_s: float = 0.0
 ) -> list[Streamed]:
-    sem = asyncio.Semaphore(concurrency)
+    """At most ``concurrency`` requests in flight or, with ``arrivals_per_s``, requests sent
+    at seeded Poisson arrival times whatever is in flight (open loop)."""
+    sem = asyncio.Semaphore(concurrency or len(prompts))
+    gaps = random.Random(0)
+    starts = [0.0] * len(prompts)
+    if arrivals_per_s:
+        starts = list(itertools.accumulate(gaps.expovariate(arrivals_per_s) for _ in prompts))
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def limited(p: str) -> Streamed:
+        async def limited(p: str, start: float) -> Streamed:
+            await asyncio.sleep(start)
             async with sem:
                 return await stream_completion(session, url, p, max_tokens)
 
-        return await asyncio.gather(*(limited(p) for p in prompts))
+        return await asyncio.gather(*(limited(p, t) for p, t in zip(prompts, starts, strict=True)))
 
 
 def cpu_seconds(servers: list[Server]) -> float:
@@ -115,19 +127,21 @@ def start(
     return proxy.url, p.url, [p, d, proxy]
 
 
-def summarize(setup: str, conc: int, samples: list[Streamed], ref: list[str] | None,
-              answers: list[str], cpu_s: float) -> Row:  # fmt: skip
+def summarize(setup: str, conc: int, arrivals: float, samples: list[Streamed],
+              ref: list[str] | None, answers: list[str], cpu_s: float) -> Row:  # fmt: skip
     ok = [s for s in samples if not s.error]
     ttft = sorted(s.ttft for s in ok) or [float("nan")]
     tpot = [(s.seconds - s.ttft) / (s.chunks - 1) for s in ok if s.chunks > 1]
+    prefill = [s.prefill_s for s in ok]
     texts = [s.text for s in samples]
     same = sum(t == r for t, r in zip(texts, ref or texts, strict=True))
     from copy_task import is_correct  # on sys.path through tests.live_servers
 
     return Row(
-        setup, conc, len(samples),
+        setup, conc, arrivals, len(samples),
         round(statistics.median(ttft) * 1e3, 1),
         round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] * 1e3, 1),
+        round(statistics.median(prefill) * 1e3, 1) if prefill else float("nan"),
         round(statistics.median(tpot) * 1e3, 2) if tpot else float("nan"),
         round(same / len(samples), 3),
         round(sum(is_correct(t, a) for t, a in zip(texts, answers, strict=True)) / len(samples), 3),
@@ -168,12 +182,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="8 prompts at concurrency 4: aggregated and qaic-shm-128to32 (what CI runs)",
     )
+    p.add_argument(
+        "--open-loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also send every setup the prompts at one arrival rate (Poisson): the aggregated\n"
+        "server's throughput at the highest concurrency. Closed loop, a setup that decodes\n"
+        "faster gets its next requests sooner, so its TTFT is taken at a higher load.",
+    )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)  # fmt: skip
     if args.quick:
-        args.prompts, args.concurrency = 8, [4]
+        args.prompts, args.concurrency, args.open_loop = 8, [4], False
         args.setups = ["aggregated", "qaic-shm-128to32"]
     if "aggregated" not in args.setups:
         args.setups.insert(0, "aggregated")  # the reference answers and times
@@ -185,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     # Fresh prompts per concurrency (and for warming up and the prefill rate): a prompt a
     # server has seen would be a prefix-cache hit, on both sides of a handoff.
     sets = {c: copy_prompts(args.prompts, f"compare-e2e-{c}") for c in args.concurrency}
+    if args.open_loop:
+        sets[0] = copy_prompts(args.prompts, "compare-e2e-open")
+    arrivals = 0.0  # the aggregated server's requests/s at the highest concurrency
     warm = [p for p, _ in copy_prompts(2 * max(args.concurrency), "compare-e2e-warm")]
     rate_prompts = [p for p, _ in copy_prompts(args.prompts, "compare-e2e-rate")]
     rows: list[Row] = []
@@ -201,12 +226,16 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(send_all(url, warm, max(args.concurrency), ANSWER_TOKENS))
             for conc, pairs in sets.items():
                 prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-                cpu0 = cpu_seconds(servers)
-                samples = asyncio.run(send_all(url, prompts, conc, ANSWER_TOKENS))
+                cpu0, t1 = cpu_seconds(servers), time.monotonic()
+                per_s = 0.0 if conc else arrivals
+                samples = asyncio.run(send_all(url, prompts, conc, ANSWER_TOKENS, per_s))
                 cpu = cpu_seconds(servers) - cpu0
                 if setup == "aggregated":
                     ref[conc] = [s.text for s in samples]
-                rows.append(summarize(setup, conc, samples, ref.get(conc), answers, cpu))
+                    if conc == max(args.concurrency):
+                        arrivals = round(len(prompts) / (time.monotonic() - t1), 2)
+                row = summarize(setup, conc, per_s, samples, ref.get(conc), answers, cpu)
+                rows.append(row)
                 print(f"[compare] {rows[-1]}", flush=True)
             if setup == "aggregated":
                 rates[setup] = prefill_rate(url, rate_prompts, staged=False)
@@ -225,18 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.agreement < 1.0 or r.errors for r in ours) else 0
 
 
+def load(row: Row) -> str:
+    return f"c={row.concurrency}" if row.concurrency else f"{row.arrivals_per_s:.1f} req/s"
+
+
 def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
     by = {(r.setup, r.concurrency): r for r in rows}
-    print(f"\n{'setup':<18}{'conc':>5}{'TTFT p50':>10}{'p95':>9}{'TPOT':>8}{'agree':>7}"
-          f"{'correct':>8}{'stalls':>7}{'CPU s/req':>10}{'x agg':>7}{'x nixl':>8}")  # fmt: skip
+    print(f"\n{'setup':<18}{'load':>11}{'TTFT p50':>10}{'p95':>9}{'prefill':>9}{'TPOT':>8}"
+          f"{'agree':>7}{'correct':>8}{'stalls':>7}{'CPU s/req':>10}"
+          f"{'x agg':>7}{'x nixl':>8}")  # fmt: skip
     for r in rows:
         agg = by.get(("aggregated", r.concurrency))
         nixl = by.get(("nixl-connector", r.concurrency))
         x_agg = r.ttft_p50_ms / agg.ttft_p50_ms if agg else float("nan")
         x_nixl = r.ttft_p50_ms / nixl.ttft_p50_ms if nixl else float("nan")
-        print(f"{r.setup:<18}{r.concurrency:>5}{r.ttft_p50_ms:>8.0f}ms{r.ttft_p95_ms:>7.0f}ms"
-              f"{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}{r.stalls:>7}"
-              f"{r.cpu_s_per_request:>10.3f}{x_agg:>7.2f}{x_nixl:>8.2f}")  # fmt: skip
+        print(f"{r.setup:<18}{load(r):>11}{r.ttft_p50_ms:>8.0f}ms{r.ttft_p95_ms:>7.0f}ms"
+              f"{r.prefill_p50_ms:>7.0f}ms{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}"
+              f"{r.stalls:>7}{r.cpu_s_per_request:>10.3f}{x_agg:>7.2f}{x_nixl:>8.2f}")  # fmt: skip
     print("\ntargets (issue #13): TTFT p50 <= 2x aggregated, <= 0.5x NixlConnector, "
           "p95 <= 3x p50, 0 stalls")  # fmt: skip
     for r in rows:
@@ -252,7 +286,7 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         }
         words = {None: "not run", True: "met", False: "NOT met"}
         flags = " ".join(f"{k}:{words[v]}" for k, v in checks.items())
-        print(f"  {r.setup} c={r.concurrency}: {flags}")
+        print(f"  {r.setup} {load(r)}: {flags}")
     if "aggregated" in rates and "connector" in rates:
         ratio = rates["connector"] / rates["aggregated"]
         print(f"prefill throughput with the connector: {rates['connector']:.1f} req/s, without: "
@@ -265,7 +299,7 @@ def plot(rows: list[Row], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    concs = sorted({r.concurrency for r in rows})
+    concs = sorted({r.concurrency for r in rows}, reverse=True)
     fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4), squeeze=False)
     for ax, conc in zip(axes[0], concs, strict=True):
         mine = [r for r in rows if r.concurrency == conc]
@@ -275,7 +309,7 @@ def plot(rows: list[Row], out: str) -> None:
         ax.set_xticks(list(xs), [r.setup for r in mine], rotation=20, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("ms")
-        ax.set_title(f"concurrency {conc}")
+        ax.set_title(load(mine[0]))
         ax.legend()
     fig.tight_layout()
     fig.savefig(out)

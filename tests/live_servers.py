@@ -266,7 +266,8 @@ def complete(
 
 @dataclass
 class Streamed:
-    """One streamed completion: seconds to the first text, in all, and the text."""
+    """One streamed completion: seconds to the first text, in all, and the text; through
+    the proxy, also the prefill leg's seconds (its Server-Timing header)."""
 
     status: int
     ttft: float
@@ -274,6 +275,7 @@ class Streamed:
     chunks: int
     text: str
     error: str = ""
+    prefill_s: float = float("nan")
 
 
 async def stream_completion(
@@ -295,7 +297,9 @@ async def stream_completion(
                     parts.append(text)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         return Streamed(0, ttft, 0.0, 0, "", f"{type(exc).__name__}: {exc}")
-    return Streamed(200, ttft, time.monotonic() - t0, len(parts), "".join(parts))
+    timing = re.search(r"prefill;dur=([\d.]+)", r.headers.get("Server-Timing", ""))
+    prefill_s = float(timing.group(1)) / 1e3 if timing else float("nan")
+    return Streamed(200, ttft, time.monotonic() - t0, len(parts), "".join(parts), "", prefill_s)
 
 
 def token_ids(url: str, prompt: str) -> list[int]:

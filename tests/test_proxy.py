@@ -195,8 +195,8 @@ class Backend(ABC):
 
 
 class Prefill(Backend):
-    """Answers with staged kv_transfer_params; ``answer`` "kv-error" or "reject" instead says
-    the handoff failed, or refuses the request with HTTP 400."""
+    """Answers with staged kv_transfer_params, after ``delay_s``; ``answer`` "kv-error" or
+    "reject" instead says the handoff failed, or refuses the request with HTTP 400."""
 
     model = "prefill-model"
     REJECTION = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
@@ -205,9 +205,11 @@ class Prefill(Backend):
         super().__init__()
         self.side_port = side_port
         self.answer = "staged"
+        self.delay_s = 0.0
         self.params: list[dict[str, Any]] = []  # the kv_transfer_params returned
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(self.delay_s)
         if self.answer == "reject":
             return web.json_response(self.REJECTION, status=400)
         if self.answer == "kv-error":
@@ -369,6 +371,21 @@ async def test_a_stream_comes_through_as_it_is_sent(prefill: Prefill, decode: De
     assert received == b"".join(CHUNKS)
     assert decode.requests[0][1]["stream"] is True
     assert prefill.requests[0][1]["stream"] is False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_prefill_legs_time_is_in_server_timing(
+    prefill: Prefill, decode: Decode, stream: bool
+) -> None:
+    prefill.delay_s = 0.3
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        t0 = time.monotonic()
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+        await resp.read()
+        elapsed_ms = (time.monotonic() - t0) * 1e3
+    name, _, dur = resp.headers["Server-Timing"].partition(";dur=")
+    assert name == "prefill" and 300 <= float(dur) <= elapsed_ms
 
 
 async def test_a_busy_decode_gets_no_requests_while_another_is_idle(

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 import aiohttp
@@ -156,7 +157,7 @@ class Proxy:
         task.add_done_callback(self._releases.discard)
 
     async def _stream(
-        self, request: web.Request, url: str, body: dict[str, Any]
+        self, request: web.Request, url: str, body: dict[str, Any], headers: dict[str, str]
     ) -> tuple[web.StreamResponse, bool]:
         """The decode's events through as they come; False when the client went away. Then
         the decode's connection is closed, which aborts the request there."""
@@ -165,7 +166,8 @@ class Proxy:
         if resp.status != 200 or "json" in resp.content_type:
             await self._json("decode", url, resp)  # raises: a stream answers 200 with events
             raise LegError(502, f"decode leg {url} answered a stream request with JSON")
-        out = web.StreamResponse(headers={"Content-Type": resp.headers.get("Content-Type", "")})
+        headers["Content-Type"] = resp.headers.get("Content-Type", "")
+        out = web.StreamResponse(headers=headers)
         try:
             await out.prepare(request)
             async for chunk in resp.content.iter_any():
@@ -202,9 +204,12 @@ class Proxy:
         params: dict[str, Any] | None = None
         done = False
         try:
+            started = time.monotonic()
             with self.router.prefills.busy(prefill_url):
                 to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
                 prefilled = await self._prefill(prefill_url + request.path, to_prefill)
+            # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
+            timing = {"Server-Timing": f"prefill;dur={(time.monotonic() - started) * 1e3:.1f}"}
             params = prefilled.get("kv_transfer_params")
             if isinstance(params, dict) and params.get("error"):
                 # The prefill could not hand this request off (e.g. staging full): say so.
@@ -215,14 +220,14 @@ class Proxy:
             with self.router.decodes.busy(decode_url):
                 if body.get("stream"):
                     response, done = await self._stream(
-                        request, decode_url + request.path, to_decode
+                        request, decode_url + request.path, to_decode, timing
                     )
                     return response
                 timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
                 resp = await self._open("decode", decode_url + request.path, to_decode, timeout)
                 answer = await self._json("decode", decode_url, resp)
             done = True
-            return web.json_response(answer)
+            return web.json_response(answer, headers=timing)
         except LegError as exc:
             if exc.body is not None:
                 return web.json_response(exc.body, status=exc.status)
