@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -254,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.agreement < 1.0 or r.errors for r in ours) else 0
 
 
+def ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}ms"
+
+
 def load(row: Row) -> str:
     return f"c={row.concurrency}" if row.concurrency else f"{row.arrivals_per_s:.1f} req/s"
 
@@ -269,7 +274,7 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         x_agg = r.ttft_p50_ms / agg.ttft_p50_ms if agg else float("nan")
         x_nixl = r.ttft_p50_ms / nixl.ttft_p50_ms if nixl else float("nan")
         print(f"{r.setup:<18}{load(r):>11}{r.ttft_p50_ms:>8.0f}ms{r.ttft_p95_ms:>7.0f}ms"
-              f"{r.prefill_p50_ms:>7.0f}ms{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}"
+              f"{ms(r.prefill_p50_ms):>9}{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}"
               f"{r.stalls:>7}{r.cpu_s_per_request:>10.3f}{x_agg:>7.2f}{x_nixl:>8.2f}")  # fmt: skip
     print("\ntargets (issue #13): TTFT p50 <= 2x aggregated, <= 0.5x NixlConnector, "
           "p95 <= 3x p50, 0 stalls")  # fmt: skip
