@@ -29,7 +29,8 @@ soak: setup
 	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport shm
 	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport nixl
 
-# Issue #13: aggregated vs this connector vs vLLM's NixlConnector, 64 prompts, concurrency 8 and 1.
+# Issue #13: aggregated vs this connector vs vLLM's NixlConnector, 64 prompts, concurrency 8 and 1,
+# and open loop at the aggregated server's throughput.
 .PHONY: compare
 compare: setup
 	$(PY) benchmarks/compare_e2e.py --json compare_e2e.json --plot compare_e2e.png
