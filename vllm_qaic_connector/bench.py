@@ -241,19 +241,15 @@ def show(r: Row) -> None:
 
 
 def by_path(rows: list[Row]) -> dict[str, list[Row]]:
-    groups: dict[str, list[Row]] = {}
-    for r in rows:
-        groups.setdefault(r["path"], []).append(r)
-    return groups
+    labels = dict.fromkeys(r["path"] for r in rows)  # in the order they first ran
+    return {label: [r for r in rows if r["path"] == label] for label in labels}
 
 
 def plot(rows: list[Row], out: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no figure to close
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     for label, mine in by_path(rows).items():
         ax.plot([r["tokens"] for r in mine], [r["gbps"] for r in mine], marker="o", label=label)
     ticks = sorted({r["tokens"] for r in rows})
@@ -262,7 +258,6 @@ def plot(rows: list[Row], out: str) -> None:
     ax.minorticks_off()
     ax.legend(fontsize="small")
     fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -281,9 +276,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     usable = [k for k, v in PATHS.items() if nixl or v.transport == "shm"]
     p.add_argument("--paths", nargs="+", choices=list(PATHS), default=usable, metavar="PATH",
                    help="default: all (those over NIXL if nixl is installed)")  # fmt: skip
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    for flag, default in (("--layers", 32), ("--kv-heads", 8), ("--head-dim", 128)):
+        p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="write the rows to this file")
@@ -302,7 +296,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would split the table
-    paths = [PATHS[k] for k in args.paths]
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = Shape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
@@ -315,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     failed = status = 0
     try:
-        for n, path in ((n, path) for n in args.tokens for path in paths):
+        for n, path in ((n, PATHS[k]) for n in args.tokens for k in args.paths):
             try:
                 rows.append(measure(path, shape, n, args.repeats, args.corrupt))
                 show(rows[-1])

@@ -78,19 +78,6 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     def shared_key(self) -> bytes | None:
         return load_key(self.side_channel_key_file)
 
-    def exposure_problem(self) -> str | None:
-        """Why the side channel must not listen where it is told to, or None: off loopback,
-        anyone who reaches the port could read and free staged KV."""
-        if self.allow_unauthenticated or self.shared_key is not None:
-            return None
-        if is_loopback(self.side_channel_host):
-            return None
-        return (
-            f"side_channel_host {self.side_channel_host!r} is not a loopback address and no "
-            f"key is set: set side_channel_key_file or ${KEY_ENV}, or set "
-            "allow_unauthenticated: true on an isolated network"
-        )
-
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -105,8 +92,7 @@ def load_key(key_file: str | None) -> bytes | None:
     """The shared key, from ``key_file`` or the environment; never logged. Raises ValueError
     naming the problem (never the key)."""
     if key_file is None:
-        key = os.environ.get(KEY_ENV, "").encode()
-        where = f"${KEY_ENV}"
+        key, where = os.environ.get(KEY_ENV, "").encode(), f"${KEY_ENV}"
     else:
         try:
             fd = os.open(key_file, os.O_RDONLY | os.O_NOFOLLOW)
@@ -135,8 +121,12 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
         cfg = msgspec.convert(extra or {}, ConnectorConfig)
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid kv_connector_extra_config: {exc}") from None
-    cfg.shared_key  # noqa: B018 -- an unusable key fails at start-up, by name
-    problem = cfg.exposure_problem()
-    if problem:
-        raise ValueError(problem)
+    key = cfg.shared_key  # an unusable key fails at start-up, by name
+    if not (key or cfg.allow_unauthenticated or is_loopback(cfg.side_channel_host)):
+        # Off loopback, anyone who reaches the port could read and free staged KV.
+        raise ValueError(
+            f"side_channel_host {cfg.side_channel_host!r} is not a loopback address and no "
+            f"key is set: set side_channel_key_file or ${KEY_ENV}, or set "
+            "allow_unauthenticated: true on an isolated network"
+        )
     return cfg

@@ -69,11 +69,8 @@ def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
     """The spec of the first attention group: the geometry every KV group shares."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return next(
-        g.kv_cache_spec
-        for g in kv_cache_config.kv_cache_groups
-        if not isinstance(g.kv_cache_spec, MambaSpec)
-    )
+    specs = (g.kv_cache_spec for g in kv_cache_config.kv_cache_groups)
+    return next(s for s in specs if not isinstance(s, MambaSpec))
 
 
 def has_state(groups: Sequence[KVGroup]) -> bool:

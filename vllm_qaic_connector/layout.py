@@ -28,12 +28,8 @@ class KVGeometry:
     dtype: torch.dtype
 
     @property
-    def elements_per_block(self) -> int:
-        return 2 * self.num_heads * self.block_size * self.head_size
-
-    @property
     def bytes_per_block(self) -> int:
-        return self.elements_per_block * self.dtype.itemsize
+        return 2 * self.num_heads * self.block_size * self.head_size * self.dtype.itemsize
 
 
 class KVLayout(ABC):
@@ -100,20 +96,14 @@ class VllmCpuLayout(KVLayout):
         return packed[:, :, :bs].view(nb, heads, d, bs).transpose(2, 3), packed[:, :, bs:, :]
 
 
-class QaicSlotLayout(KVLayout):
+class QaicSlotLayout(CudaHNDLayout):
     """QAIC retained state: one ``[slots, H, ctx, D]`` tensor per K and per V.
 
     A slot is one block of ``ctx`` tokens. In memory a layer is K buffer then V buffer,
-    ``[2, slots, H, ctx, D]``, which is exactly the pair of named buffers side by side.
+    ``[2, slots, H, ctx, D]``: the pair of named buffers side by side, which is HND's shape.
     """
 
     kind = "qaic_slot"
-
-    def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
-        return (2, num_blocks, geo.num_heads, geo.block_size, geo.head_size)
-
-    def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer[0], layer[1]
 
 
 LAYOUTS: dict[str, KVLayout] = {
@@ -340,9 +330,8 @@ class StagingFormat:
         return blocks * self.geometry.bytes_per_block
 
     def request_bytes(self, num_tokens: int) -> int:
-        if not self.state_bytes:
-            return self._kv_bytes(num_tokens)
-        return state_offset(self._kv_bytes(num_tokens)) + self.state_bytes
+        kv = self._kv_bytes(num_tokens)
+        return state_offset(kv) + self.state_bytes if self.state_bytes else kv
 
     def state_region(self, region: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """The recurrent state inside a staged region (flat uint8, no copy)."""

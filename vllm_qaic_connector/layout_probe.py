@@ -20,9 +20,8 @@ def write_with_vllm_op(
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     nb, heads, bs, two_d = layer.shape
+    key_cache, value_cache = layer.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
     isa = _get_attn_isa(layer.dtype, bs, two_d // 2)
-    packed = layer.view(nb, heads, 2 * bs, two_d // 2)
-    key_cache, value_cache = packed.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
 
 
@@ -33,8 +32,7 @@ def verify_vllm_cpu_layout(block_size: int, head_size: int, dtype: torch.dtype) 
     num_tokens = block_size + 3  # crosses a block edge
     layer = layout.allocate(3, geo)
     gen = torch.Generator().manual_seed(0)
-    key = torch.randn(num_tokens, 2, head_size, generator=gen).to(dtype)
-    value = torch.randn(num_tokens, 2, head_size, generator=gen).to(dtype)
+    key, value = (torch.randn(num_tokens, 2, head_size, generator=gen).to(dtype) for _ in "kv")
     blocks = [2, 0]  # out of order on purpose
     slots = torch.tensor(
         [blocks[t // block_size] * block_size + t % block_size for t in range(num_tokens)],

@@ -78,10 +78,8 @@ class LeaseRenewer:
         if not isinstance(reply, Renewed):
             return
         with self._lock:
-            for remote_id in reply.request_ids:
-                rid = ids.get(remote_id)
-                remote = self._wanted.get(rid) if rid is not None else None
-                if rid is not None and remote is not None:
+            for rid in (ids[r] for r in reply.request_ids if r in ids):
+                if (remote := self._wanted.get(rid)) is not None:
                     self._holds_until[rid] = max(self._holds_until[rid], sent + remote.lease_s)
 
     def close(self) -> None:

@@ -92,8 +92,7 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
             return f"rank {i} endpoint.kind {r.endpoint.kind!r} is unknown"
         if r.endpoint.size <= 0:
             return f"rank {i} endpoint.size must be > 0, got {r.endpoint.size}"
-        problem = _name_problem(i, r)
-        if problem:
+        if problem := _name_problem(i, r):
             return problem
         for field in _AGREED:
             if getattr(r, field) != getattr(first, field):
@@ -142,8 +141,7 @@ class PeerDirectory:
             raise ConnectionError(f"cannot connect to {host}:{port}: {exc}") from None
 
     def _handshake(self, host: str, port: int) -> list[RankMetadata]:
-        problem = address_problem(host, port)
-        if problem:
+        if problem := address_problem(host, port):
             raise ConnectionError(f"bad peer address {host!r}:{port!r}: {problem}")
         request = HandshakeRequest(PROTOCOL_VERSION, self.engine_id)
         for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
@@ -162,13 +160,10 @@ class PeerDirectory:
         if not isinstance(reply, HandshakeReply):
             kind = type(reply).__name__
             raise PeerRefused(f"bad handshake reply from {host}:{port}: got {kind}")
-        problem = check_ranks(reply.ranks)
-        if problem:
+        if problem := check_ranks(reply.ranks):
             raise PeerRefused(f"bad handshake reply from {host}:{port}: {problem}")
-        if self.ours is not None:
-            problem = incompatibility(self.ours, reply.ranks[0])
-            if problem:
-                raise PeerRefused(f"incompatible peer at {host}:{port}: {problem}")
+        if self.ours is not None and (problem := incompatibility(self.ours, reply.ranks[0])):
+            raise PeerRefused(f"incompatible peer at {host}:{port}: {problem}")
         with self._lock:
             self._completed += 1
         return reply.ranks

@@ -117,10 +117,9 @@ class Proxy:
             raise LegError(502, f"{leg} leg {url} broke off its answer: {exc}") from None
         finally:
             resp.release()
-        try:
+        body = None
+        with contextlib.suppress(ValueError):
             body = json.loads(text)
-        except ValueError:
-            body = None
         if not isinstance(body, dict):
             raise LegError(
                 502, f"{leg} leg {url} answered HTTP {resp.status} with non-JSON: {text[:200]!r}"
@@ -190,14 +189,12 @@ class Proxy:
     # --- endpoints ------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        try:
+        body = None
+        with contextlib.suppress(ValueError):
             body = await request.json()
-        except ValueError:
-            body = None
         if not isinstance(body, dict):
             return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
-        problem = unsupported(body)
-        if problem:
+        if problem := unsupported(body):
             return web.json_response(error_body(400, problem), status=400)
         prefill_url, decode_url = self.router.route()
         chat = request.path.endswith("/chat/completions")
@@ -217,14 +214,13 @@ class Proxy:
                     error_body(503, str(params["error"]), "KVHandoffError"), status=503
                 )
             to_decode = {**body, "kv_transfer_params": params} if params else body
+            url = decode_url + request.path
             with self.router.decodes.busy(decode_url):
                 if body.get("stream"):
-                    response, done = await self._stream(
-                        request, decode_url + request.path, to_decode, timing
-                    )
+                    response, done = await self._stream(request, url, to_decode, timing)
                     return response
                 timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
-                resp = await self._open("decode", decode_url + request.path, to_decode, timeout)
+                resp = await self._open("decode", url, to_decode, timeout)
                 answer = await self._json("decode", decode_url, resp)
             done = True
             return web.json_response(answer, headers=timing)

@@ -61,8 +61,7 @@ def apply_prefix(name: str, prefix: str | None) -> str:
         raise ValueError(
             f"{name!r} is not an unprefixed KV buffer name (past_key.N / past_value.N)"
         )
-    prefix = validate_prefix(prefix)
-    if prefix is None:
+    if validate_prefix(prefix) is None:
         return name
     return f"past_{parsed.kind}.{parsed.layer}_{prefix}{parsed.suffix}"
 
@@ -113,7 +112,7 @@ def select_kv_buffers(names: Iterable[str], prefix: str | None) -> dict[tuple[in
     ValueError. Non-KV names are ignored.
     """
     pattern = kv_buffer_regex(prefix)
-    chosen: dict[tuple[int, str], tuple[str, str]] = {}  # (layer, kind) -> (suffix, name)
+    chosen: dict[tuple[int, str], tuple[int, str]] = {}  # (layer, kind) -> (rank, name)
     seen: set[str] = set()
     for name in names:
         if name in seen:
@@ -122,9 +121,7 @@ def select_kv_buffers(names: Iterable[str], prefix: str | None) -> dict[tuple[in
         parsed = parse_kv_name(name, pattern)
         if parsed is None:
             continue
-        key = (parsed.layer, parsed.kind)
+        key, ranked = (parsed.layer, parsed.kind), (_PREFERENCE[parsed.suffix], name)
         # Distinct canonical names never share (layer, kind, suffix), so ranks never tie.
-        prev = chosen.get(key)
-        if prev is None or _PREFERENCE[parsed.suffix] < _PREFERENCE[prev[0]]:
-            chosen[key] = (parsed.suffix, name)
+        chosen[key] = min(chosen.get(key, ranked), ranked)
     return {key: name for key, (_, name) in sorted(chosen.items())}

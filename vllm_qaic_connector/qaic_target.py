@@ -70,8 +70,7 @@ class Manifest(msgspec.Struct):
 
     def __post_init__(self) -> None:
         for p, buffers in enumerate(self.programs):
-            dup = [n for n, c in Counter(b.name for b in buffers).items() if c > 1]
-            if dup:
+            if dup := [n for n, c in Counter(b.name for b in buffers).items() if c > 1]:
                 raise ValueError(f"program {p} lists buffer(s) {sorted(dup)} more than once")
 
     def kv_buffers(self, prefix: str | None) -> list[tuple[BufferRef, BufferRef]]:
@@ -86,14 +85,13 @@ class Manifest(msgspec.Struct):
                 parsed = parse_kv_name(spec.name, pattern)
                 if parsed is None:
                     continue  # vision/multimodal and other buffers are never touched
-                key, ref = (parsed.layer, parsed.kind), BufferRef(p, spec)
-                if key in found:
-                    old = found[key]
+                key = (parsed.layer, parsed.kind)
+                if old := found.get(key):
                     raise ValueError(
                         f"layer {parsed.layer} {parsed.kind} is held twice: program "
                         f"{old.program} {old.spec.name!r} and program {p} {spec.name!r}"
                     )
-                found[key] = ref
+                found[key] = BufferRef(p, spec)
         if not found:
             raise ValueError(f"no KV buffers match kv_cache_prefix {prefix!r}")
         num_layers = max(layer for layer, _ in found) + 1

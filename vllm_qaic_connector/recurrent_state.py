@@ -32,6 +32,10 @@ class Split:
         """The axis's length on ``rank`` of ``tp``."""
         return sum(len(heads_of_rank(u, tp, rank)) * w for u, w in self.segments)
 
+    def shape(self, block: Sequence[int], tp: int, rank: int) -> tuple[int, ...]:
+        """A block's shape ``block`` with the axis's length on ``rank`` of ``tp``."""
+        return tuple(self.length(tp, rank) if a == self.axis else n for a, n in enumerate(block))
+
     def runs(
         self, src_tp: int, src_rank: int, dst_tp: int, dst_rank: int
     ) -> list[tuple[int, int, int]]:
@@ -103,15 +107,11 @@ class RecurrentState:
     def signature(self) -> tuple[str, ...]:
         """What two engines must share: global shapes, dtypes and splits, so independent
         of TP where the splits are known."""
-
-        def one(t: torch.Tensor, split: Split) -> str:
-            shape = [
-                split.length(1, 0) if a == split.axis else n for a, n in enumerate(t.shape[1:])
-            ]
-            return f"{'x'.join(map(str, shape))}:{t.dtype}:{split.segments}"
-
         return tuple(
-            "+".join(one(t, s) for t, s in zip(layer, splits, strict=True))
+            "+".join(
+                f"{'x'.join(map(str, s.shape(t.shape[1:], 1, 0)))}:{t.dtype}:{s.segments}"
+                for t, s in zip(layer, splits, strict=True)
+            )
             for layer, splits in zip(self.layers, self._splits, strict=True)
         )
 
@@ -122,9 +122,7 @@ class RecurrentState:
         tp, rank = tp or self.tp_size, self.tp_rank if rank is None else rank
         for layer, splits in zip(self.layers, self._splits, strict=True):
             for t, split in zip(layer, splits, strict=True):
-                shape = list(t.shape[1:])
-                shape[split.axis] = split.length(tp, rank)
-                yield t, split, tuple(shape)
+                yield t, split, split.shape(t.shape[1:], tp, rank)
 
     def _staged(
         self, block_ids: Sequence[Sequence[int]], region: torch.Tensor, tp: int, rank: int

@@ -84,11 +84,10 @@ class SideChannelServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
-        addr = f"tcp://{host}"
         try:
-            self.port = self._sock.bind_to_random_port(addr) if port == 0 else port
             if port:
-                self._sock.bind(f"{addr}:{port}")
+                self._sock.bind(f"tcp://{host}:{port}")
+            self.port = port or self._sock.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError:
             self._sock.close(0)
             self._ctx.term()
@@ -124,27 +123,24 @@ class SideChannelServer:
             return
         reply: Message
         nonce = b""
-        if len(frames) != 3:
-            reply = ErrorReply(f"expected one payload frame, got {len(frames) - 2}")
-            self._complain("refused a message: %s", reply.message)
+        try:
+            if len(frames) != 3:
+                raise ValueError(f"expected one payload frame, got {len(frames) - 2}")
+            envelope = open_message(frames[2], self._key)
+            nonce = envelope.nonce
+            # Without a key anyone can forge a fresh frame anyway.
+            if self._key and (replayed := self._replays.problem(nonce, envelope.sent_at)):
+                raise ValueError(replayed)
+        except ValueError as exc:
+            reply = ErrorReply(str(exc))
+            self._complain("refused a message: %s", exc)
         else:
             try:
-                envelope = open_message(frames[2], self._key)
-                nonce = envelope.nonce
-                if self._key:  # without a key anyone can forge a fresh frame anyway
-                    replayed = self._replays.problem(nonce, envelope.sent_at)
-                    if replayed:
-                        raise ValueError(replayed)
-            except ValueError as exc:
-                reply = ErrorReply(str(exc))
-                self._complain("refused a message: %s", exc)
-            else:
-                try:
-                    reply = self._handler(envelope.message)
-                except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
-                    kind = type(envelope.message).__name__
-                    self._complain("handler failed on %s: %r", kind, exc)
-                    reply = ErrorReply(str(exc) or type(exc).__name__)
+                reply = self._handler(envelope.message)
+            except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
+                kind = type(envelope.message).__name__
+                self._complain("handler failed on %s: %r", kind, exc)
+                reply = ErrorReply(str(exc) or type(exc).__name__)
         frame = encode_message(reply, self._key, in_reply_to=nonce)
         try:
             self._sock.send_multipart([frames[0], b"", frame], zmq.NOBLOCK)
@@ -177,9 +173,8 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
         reply = envelope.message
     except zmq.Again:
         raise SideChannelTimeout(f"side channel {host}:{port} silent for {timeout_s}s") from None
-    except ValueError as exc:  # unauthenticated or malformed reply
-        raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
-    except zmq.ZMQError as exc:  # e.g. an address libzmq cannot parse
+    # An unauthenticated or malformed reply, or e.g. an address libzmq cannot parse.
+    except (ValueError, zmq.ZMQError) as exc:
         raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
     finally:
         sock.close(0)

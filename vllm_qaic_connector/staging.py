@@ -27,9 +27,7 @@ class StagingPool:
     """
 
     def __init__(self, num_pages: int, page_bytes: int, lease_s: float) -> None:
-        self.num_pages = num_pages
-        self.page_bytes = page_bytes
-        self.lease_s = lease_s
+        self.num_pages, self.page_bytes, self.lease_s = num_pages, page_bytes, lease_s
         self._free = [True] * num_pages
         self._leases: dict[str, Lease] = {}
         self._freed: list[int] = []  # offsets given up since `drain_freed`
@@ -52,8 +50,7 @@ class StagingPool:
             start = self._find_run(need)
             if start is None:
                 return None
-            for p in range(start, start + need):
-                self._free[p] = False
+            self._free[start : start + need] = [False] * need
             expires = (time.monotonic() if now is None else now) + self.lease_s
             self._leases[request_id] = Lease(start, need, expires)
             return start * self.page_bytes
@@ -71,9 +68,9 @@ class StagingPool:
             lease = self._leases.pop(request_id, None)
             if lease is None:
                 return False
-            for p in range(lease.first_page, lease.first_page + lease.num_pages):
-                self._free[p] = True
-            self._freed.append(lease.first_page * self.page_bytes)
+            first, n = lease.first_page, lease.num_pages
+            self._free[first : first + n] = [True] * n
+            self._freed.append(first * self.page_bytes)
             return True
 
     def drain_freed(self) -> list[int]:

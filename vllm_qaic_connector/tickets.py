@@ -143,7 +143,7 @@ def checked_read(
     ``generation`` both before the read and after the caller's copy. ``notify`` travels
     with the final header read, so the prefill frees the region only after both checks."""
     region = transport.read(peer, offset, HEADER_BYTES + nbytes)
-    if not _sealed(region[:HEADER_BYTES], generation):
+    if header_generation(region[:HEADER_BYTES]) != generation:
         transport.release_read(peer, offset)
         _await_seal(transport, peer, offset, generation)
         region = transport.read(peer, offset, HEADER_BYTES + nbytes)
@@ -152,7 +152,7 @@ def checked_read(
         yield region[HEADER_BYTES:]
     finally:
         transport.release_read(peer, offset)
-    _check_after(transport, peer, offset, generation, notify)
+    _expect(_read_header(transport, peer, offset, notify)[0], generation, "after the copy")
 
 
 @contextmanager
@@ -167,11 +167,18 @@ def checked_region(
     own memory): the header is checked before and after the body of the ``with``."""
     _await_seal(transport, peer, offset, generation)
     yield
-    _check_after(transport, peer, offset, generation, notify)
+    _expect(_read_header(transport, peer, offset, notify)[0], generation, "after the copy")
 
 
-def _sealed(header: torch.Tensor, generation: int) -> bool:
-    return header_generation(header) == generation
+def _read_header(
+    transport: KVTransport, peer: TransportEndpoint, offset: int, notify: bytes | None = None
+) -> tuple[int, int]:
+    """The generation and the promised generation a region's header holds now."""
+    header = transport.read(peer, offset, HEADER_BYTES, notify=notify)
+    try:
+        return header_generation(header), promised_generation(header)
+    finally:
+        transport.release_read(peer, offset)
 
 
 def _await_seal(
@@ -180,11 +187,7 @@ def _await_seal(
     """Returns once the header holds ``generation``; waits while a save promised it."""
     deadline, pause = time.monotonic() + SEAL_WAIT_S, 0.0005
     while True:
-        header = transport.read(peer, offset, HEADER_BYTES)
-        try:
-            found, promised = header_generation(header), promised_generation(header)
-        finally:
-            transport.release_read(peer, offset)
+        found, promised = _read_header(transport, peer, offset)
         if found == generation or found != 0 or promised != generation:
             _expect(found, generation, "before the copy")
             return
@@ -195,20 +198,6 @@ def _await_seal(
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
-
-
-def _check_after(
-    transport: KVTransport,
-    peer: TransportEndpoint,
-    offset: int,
-    generation: int,
-    notify: bytes | None,
-) -> None:
-    after = transport.read(peer, offset, HEADER_BYTES, notify=notify)
-    try:
-        _expect(header_generation(after), generation, "after the copy")
-    finally:
-        transport.release_read(peer, offset)
 
 
 def _expect(found: int, generation: int, when: str) -> None:

@@ -253,8 +253,7 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
         parsed = msgspec.convert(params, RemotePrefill, strict=False, from_attributes=False)
     except msgspec.ValidationError as exc:
         raise ValueError(f"malformed kv_transfer_params: {exc}") from None
-    problem = _remote_prefill_problem(parsed)
-    if problem:
+    if problem := _remote_prefill_problem(parsed):
         raise ValueError(f"malformed kv_transfer_params: {problem}")
     return parsed
 
@@ -262,9 +261,6 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
 def _remote_prefill_problem(p: RemotePrefill) -> str | None:
     from vllm_qaic_connector.layout import LAYOUTS
 
-    bad_address = address_problem(p.remote_host, p.remote_port, "remote_")
-    if bad_address:
-        return bad_address
     checks = [
         (p.num_tokens > 0, f"num_tokens must be > 0, got {p.num_tokens}"),
         (p.staging_offset >= 0, f"staging_offset must be >= 0, got {p.staging_offset}"),
@@ -279,7 +275,8 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
             f"group_starts must be at most 64 tokens in [0, num_tokens), got {p.group_starts}",
         ),
     ]
-    return next((why for ok, why in checks if not ok), None)
+    bad_address = address_problem(p.remote_host, p.remote_port, "remote_")
+    return bad_address or next((why for ok, why in checks if not ok), None)
 
 
 def address_problem(host: object, port: object, field_prefix: str = "") -> str | None:

@@ -76,11 +76,9 @@ class NixlTransport(KVTransport):
     kind = "nixl"
     delivers_notifications = True
 
-    def __init__(
-        self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, recv_bytes: int = 0
-    ) -> None:
-        """``timeout_s`` bounds every read. ``recv_bytes`` sizes the receive arena (0: as
-        ``staging_bytes``), mapped on the first read; larger reads get a one-off buffer."""
+    def __init__(self, name: str, staging_bytes: int, *, timeout_s: float = 30.0) -> None:
+        """``timeout_s`` bounds every read. The receive arena, as large as the staging, is
+        mapped on the first read; larger reads get a one-off buffer."""
         import nixl
 
         errors = vars(nixl._bindings).values()  # nixl raises its own Exception subclasses
@@ -92,7 +90,7 @@ class NixlTransport(KVTransport):
         self._closed = False
         self._staging = _zeroed(staging_bytes)
         self._register(self._staging)
-        self._recv_bytes = recv_bytes or staging_bytes
+        self._recv_bytes = staging_bytes
         self._recv: torch.Tensor | None = None
         self._used: list[tuple[int, int]] = []  # arena ranges handed out, sorted
         self._held: dict[tuple[str, int], list[_Held]] = {}
@@ -141,8 +139,7 @@ class NixlTransport(KVTransport):
         with self._lock:
             self._check_open()
             if tensor.data_ptr() not in self._destinations:
-                size = tensor.numel() * tensor.element_size()
-                self._destinations[tensor.data_ptr()] = (size, self._register(tensor))
+                self._destinations[tensor.data_ptr()] = (tensor.nbytes, self._register(tensor))
 
     def deregister_destination(self, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -216,8 +213,6 @@ class NixlTransport(KVTransport):
                     logger.warning("nixl: deregistration failed: %s", exc)
             self._regs.clear()
             self._agent = None  # unreferenced, the C++ agent stops its progress thread
-
-    # --- internals ---------------------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:

@@ -41,9 +41,7 @@ def _unlink(path: str) -> None:
 def reclaim_dead_segments(prefix: str) -> list[str]:
     """Unlinks segments named ``prefix*`` whose creator is gone; returns their names."""
     reclaimed = []
-    for name in os.listdir(SHM_DIR):
-        if not name.startswith(prefix):
-            continue
+    for name in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
         try:
             fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
@@ -154,11 +152,9 @@ class ShmTransport(KVTransport):
         if offset < 0 or offset + nbytes > peer.size:
             raise ValueError(f"read [{offset}, {offset + nbytes}) outside segment {peer.address}")
         with self._lock:
-            seg = self._peers.get(peer.address)
-            if seg is None:
-                seg = SharedSegment(peer.address, peer.size, create=False)
-                self._peers[peer.address] = seg
-            return seg.tensor[offset : offset + nbytes]
+            if peer.address not in self._peers:
+                self._peers[peer.address] = SharedSegment(peer.address, peer.size, create=False)
+            return self._peers[peer.address].tensor[offset : offset + nbytes]
 
     def forget_peer(self, peer: TransportEndpoint) -> None:
         with self._lock:
