@@ -21,7 +21,7 @@ test: setup lint
 	$(PY) -m pytest -v -rA --durations=15 tests
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
 
 # Issue #9 soak: 500 requests at concurrency 16 through 1P1D + proxy, shm then NIXL.
 .PHONY: soak

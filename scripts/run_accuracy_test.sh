@@ -60,6 +60,9 @@ OWN_GROUP=("$PY" -c 'import os, sys; os.setpgid(0, 0); os.execvp(sys.argv[1], sy
 
 RUN_ID="qaic$$$(date +%s | tail -c 5)"
 RUN_DIR=$(mktemp -d "/tmp/qaic-accuracy.XXXXXX")
+# vLLM's model-class facts, learnt in a subprocess that imports vLLM (about 13 s of CPU per
+# server): one cache for every server and run, as ~/.cache/vllm/modelinfos is normally.
+MODELINFOS="$ROOT/.cache/vllm-modelinfos"
 ls /dev/shm | sort > "$RUN_DIR/shm_before"
 PIDS=()
 signal_servers() {  # signal; a server interrupted before its setpgid has no group yet
@@ -117,7 +120,8 @@ tp_args() {  # tp -> vLLM args; TP ranks are worker processes, one core each
 }
 serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args...]
   local name=$1 core=$2 port=$3 bs=$4 ktc=$5; shift 5
-  mkdir -p "$RUN_DIR/$name/tmp"
+  mkdir -p "$RUN_DIR/$name/tmp" "$RUN_DIR/$name/cache" "$MODELINFOS"
+  ln -s "$MODELINFOS" "$RUN_DIR/$name/cache/modelinfos"
   local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
               --max-model-len "$MAX_MODEL_LEN" --block-size "$bs" --seed 0)
   [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)

@@ -42,6 +42,10 @@ from tests.ports import free_port
 ROOT = Path(__file__).resolve().parent.parent
 PY = ROOT / ".venv" / "bin" / "python"
 MODEL = ROOT / "models" / "tiny-copy"
+# vLLM's cache of what it learns by importing a model class in a subprocess (about 13 s
+# of CPU per start): shared by every server, as ~/.cache/vllm/modelinfos is in a normal
+# install. Files are keyed by a hash of the model's source, and written atomically.
+MODELINFOS = ROOT / ".cache" / "vllm-modelinfos"
 SHM_DIR = Path("/dev/shm")
 QAIC_PREFIX = "qaic_kv_"
 VLLM_LEFTOVERS = ("vllm_dist_", "psm_", "sem.mp-")
@@ -597,6 +601,8 @@ class VllmServer(Server):
         for var, sub in dirs.items():
             (base / sub).mkdir(parents=True, exist_ok=True)
             env[var] = str(base / sub)
+        MODELINFOS.mkdir(parents=True, exist_ok=True)
+        (base / "cache" / "modelinfos").symlink_to(MODELINFOS)
         return env
 
     def metric(self, name: str, default: float | None = None) -> float:
