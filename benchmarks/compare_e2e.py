@@ -181,7 +181,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="8 prompts at concurrency 4: aggregated and qaic-shm-128to32 (what CI runs)",
+        help="8 prompts at concurrency 4 and open loop: aggregated and qaic-shm-128to32\n"
+        "(what CI runs)",
     )
     p.add_argument(
         "--open-loop",
@@ -196,7 +197,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--plot", metavar="FILE.png")
     args = p.parse_args(argv)  # fmt: skip
     if args.quick:
-        args.prompts, args.concurrency, args.open_loop = 8, [4], False
+        args.prompts, args.concurrency = 8, [4]
         args.setups = ["aggregated", "qaic-shm-128to32"]
     if "aggregated" not in args.setups:
         args.setups.insert(0, "aggregated")  # the reference answers and times

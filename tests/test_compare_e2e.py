@@ -1,6 +1,7 @@
 """The end-to-end comparison script (issue #13 item 3) in its short form, on real servers:
 aggregated vLLM and this connector with 128 -> 32 blocks (vLLM's NixlConnector only in the
-full run, `make compare`: CI time). It must run through, write one JSON row per setup, and
+full run, `make compare`: CI time), closed loop and open loop. It must run through, write one
+JSON row per setup and load, report the proxy's prefill leg, and
 every answer of this connector must be the aggregated server's (the script exits 1
 otherwise). Times are printed, never asserted."""
 
@@ -23,10 +24,16 @@ def test_compare_e2e_quick(tmp_path: Path) -> None:
     )  # fmt: skip
     print(proc.stdout[-3000:], proc.stderr[-2000:])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = {r["setup"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"aggregated", "qaic-shm-128to32"}
-    ours = rows["qaic-shm-128to32"]
-    assert ours["agreement"] == 1.0 and ours["correct"] == 1.0 and ours["errors"] == 0, ours
-    assert rows["aggregated"]["correct"] == 1.0, rows["aggregated"]
+    rows = {(r["setup"], r["concurrency"]): r for r in json.loads(out.read_text())}
+    # Concurrency 4, then open loop (0) at the aggregated server's rate.
+    assert set(rows) == {(s, c) for s in ("aggregated", "qaic-shm-128to32") for c in (4, 0)}
+    for conc in (4, 0):
+        ours, agg = rows["qaic-shm-128to32", conc], rows["aggregated", conc]
+        assert ours["agreement"] == 1.0 and ours["correct"] == 1.0 and ours["errors"] == 0, ours
+        assert agg["correct"] == 1.0, agg
+        # The proxy's Server-Timing: a prefill leg inside the time to first token.
+        assert 0 < ours["prefill_p50_ms"] <= ours["ttft_p95_ms"], ours
+    open_rates = {rows[s, 0]["arrivals_per_s"] for s in ("aggregated", "qaic-shm-128to32")}
+    assert len(open_rates) == 1 and open_rates.pop() > 0, open_rates
     assert png.stat().st_size > 0
     assert "prefill throughput with the connector" in proc.stdout

@@ -61,16 +61,3 @@ class KVTransport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the staging region and every peer resource. Idempotent."""
-
-
-def create_transport(kind: str, name: str, staging_bytes: int, timeout_s: float) -> KVTransport:
-    """``timeout_s`` bounds every read."""
-    if kind == "shm":
-        from vllm_qaic_connector.transports.shm import ShmTransport
-
-        return ShmTransport(name, staging_bytes)
-    if kind == "nixl":
-        from vllm_qaic_connector.transports.nixl import NixlTransport
-
-        return NixlTransport(name, staging_bytes, timeout_s=timeout_s)
-    raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")
