@@ -199,7 +199,7 @@ def test_check_ranks_accepts_valid_and_names_the_bad_field():
         "layout_kind 'weird' is unknown": [rank(layout_kind="weird")],
         "dtype 'float33' is unknown": [rank(dtype="float33")],
         "endpoint.kind 'tcp' is unknown": [rank(endpoint=TransportEndpoint("tcp", "a", 1))],
-        "endpoint.size must be > 0, got 0": [rank(endpoint=TransportEndpoint("shm", "a", 0))],
+        "endpoint.size must be >= 0, got -1": [rank(endpoint=TransportEndpoint("shm", "a", -1))],
         "rank 1 engine_id 'other' differs": second(engine_id="other"),
         "rank 1 block_size 32 differs": second(block_size=32),
         "rank 1 layout_kind 'cuda_nhd' differs": second(layout_kind="cuda_nhd"),
@@ -209,6 +209,12 @@ def test_check_ranks_accepts_valid_and_names_the_bad_field():
     for why, rs in bad.items():
         problem = check_ranks(rs)
         assert problem is not None and why in problem, (why, problem)
+    # A shm decode that only loads has no segment; a prefill handshaking with it for its
+    # format must accept that (a refusal made every such prefill stage in its own format).
+    assert check_ranks([rank(endpoint=TransportEndpoint("shm", "", 0))]) is None
+    assert "not the segment" in (
+        check_ranks([rank(endpoint=TransportEndpoint("shm", "a", 0))]) or ""
+    )
 
 
 class _Peer:

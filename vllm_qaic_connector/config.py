@@ -34,6 +34,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     verify_cpu_layout: bool = True
     # Saves on a worker thread, off the engine's step; their blocks are held until done.
     async_saves: bool = True
+    # Same layout, block size and TP on one host (shm): the decode copies the prompt's blocks
+    # out of the prefill's KV cache, which lives in shared memory; no staging copy.
+    direct_reads: bool = True
     kv_cache_prefix: str | None = None
     debug_corrupt_loaded_kv: bool = False
 

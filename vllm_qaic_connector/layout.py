@@ -233,6 +233,36 @@ def _as_slice(idx: torch.Tensor) -> _Index:
     return slice(int(idx[0]), int(idx[-1]) + 1, step)
 
 
+def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(source block, destination block, count) runs of blocks consecutive on both sides."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_block_runs(
+    src: tuple[torch.Tensor, torch.Tensor],
+    dst: tuple[torch.Tensor, torch.Tensor],
+    runs: Sequence[tuple[int, int, int]],
+) -> int:
+    """Copies whole blocks of one layer between two canonical views of the same geometry
+    (see `block_runs`); returns the bytes written. One copy per run: no temporary."""
+    if src[0].shape[1:] != dst[0].shape[1:] or src[0].dtype != dst[0].dtype:
+        raise ValueError(f"block shapes differ: {src[0].shape} {src[0].dtype} vs "
+                         f"{dst[0].shape} {dst[0].dtype}")  # fmt: skip
+    ints = _INTS[src[0].element_size()]
+    for s, d in zip(src, dst, strict=True):
+        s_, d_ = s.view(ints).numpy(), d.view(ints).numpy()  # numpy: see copy_tokens
+        for s0, d0, n in runs:
+            d_[d0 : d0 + n] = s_[s0 : s0 + n]
+    per_block = 2 * math.prod(src[0].shape[1:]) * src[0].element_size()
+    return per_block * sum(n for _, _, n in runs)
+
+
 def gather_tokens(
     kv: tuple[torch.Tensor, torch.Tensor], blocks: Sequence[int], num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

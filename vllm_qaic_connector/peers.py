@@ -52,6 +52,8 @@ def _name_problem(i: int, r: RankMetadata) -> str | None:
     if not INCARNATION.fullmatch(r.incarnation):
         return f"rank {i} incarnation {r.incarnation!r} is not 16 lowercase hex digits"
     want, named = staging_name(r.engine_id, r.tp_rank, r.incarnation), r.endpoint.address
+    if r.endpoint.kind == "shm" and (named, r.endpoint.size) == ("", 0):
+        return None  # a shm engine that only loads has no segment
     if r.endpoint.kind == "nixl":
         try:
             named = split_address(named)[0]
@@ -90,8 +92,8 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
             return f"rank {i} dtype {r.dtype!r} is unknown"
         if r.endpoint.kind not in ENDPOINT_KINDS:
             return f"rank {i} endpoint.kind {r.endpoint.kind!r} is unknown"
-        if r.endpoint.size <= 0:
-            return f"rank {i} endpoint.size must be > 0, got {r.endpoint.size}"
+        if r.endpoint.size < 0:
+            return f"rank {i} endpoint.size must be >= 0, got {r.endpoint.size}"
         if problem := _name_problem(i, r):
             return problem
         for field in _AGREED:

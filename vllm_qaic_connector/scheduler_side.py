@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
+from vllm_qaic_connector.direct_reads import direct_problem
 from vllm_qaic_connector.kv_groups import (
     attention_spec,
     groups_of,
@@ -85,6 +86,7 @@ class SaveSpec:
     starts: tuple[int, ...] = (0,)
     first: int = 0
     last: int = 0  # 0: num_tokens
+    direct: bool = False  # nothing to copy: the decode reads block_ids out of our cache
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ class QAICConnectorMetadata(KVConnectorMetadata):
     # Finished requests whose blocks vLLM holds until the worker's saves from them are
     # done: the worker reports each as finished sending then.
     await_saves: list[str] = field(default_factory=list)
+    # Requests handed off directly whose tickets are gone: the worker reports them finished
+    # sending (vLLM frees their blocks) after it invalidated this step's ``invalidate``.
+    release_direct: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -127,6 +132,7 @@ class StagingTarget:
 
     layout_kind: str
     block_size: int
+    direct: bool = False  # the decode reads our KV cache: nothing is staged
 
 
 @dataclass
@@ -171,6 +177,9 @@ class SchedulerSide:
         self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._outgoing: dict[str, _Outgoing] = {}
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
+        self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
+        # Held blocks shrink the prefill's KV cache: past half of it, requests stage instead.
+        self._direct_cap = kv_cache_config.num_blocks // 2
         # (decode rank, prefill rank) reads acknowledged, per staged request
         self._acks: dict[str, set[tuple[int, int]]] = {}
         self._acks_lock = threading.Lock()
@@ -349,12 +358,15 @@ class SchedulerSide:
             target = self._resolve_target(rid, params, out.waiting_since)
             if target is None:
                 return None, False
+            held_blocks = sum(self._direct_held.values())
+            if held_blocks + request.num_prompt_tokens // self.block_size > self._direct_cap:
+                target = dataclasses.replace(target, direct=False)
             out.target, out.waiting_since = target, now
         held = (0,) * len(self.groups)  # the most it can stage: nothing is dropped yet
         fmt = self._staging_format(request.num_prompt_tokens, out.target, held)
         self._expire_leases()  # an idle engine ran no step that would have freed them
         try:
-            kv_bytes = fmt.request_bytes(request.num_prompt_tokens)
+            kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
             offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
         except ValueError as exc:
             out.error = str(exc)
@@ -397,7 +409,10 @@ class SchedulerSide:
             return own
         if len(found) != len(self._ranks):
             return own  # head shards differ: the decode regroups heads on receive
-        return StagingTarget(found[0].layout_kind, found[0].block_size)
+        direct = self.cfg.direct_reads and not direct_problem(
+            self._ranks[0], found[0], len(self._ranks)
+        )
+        return StagingTarget(found[0].layout_kind, found[0].block_size, direct)
 
     def _staging_format(
         self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]
@@ -467,15 +482,21 @@ class SchedulerSide:
             out.starts,
             out.saved_to,
             last,
+            out.target.direct,
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self._expire_leases()
+        # Before drain_freed: a released ticket is invalidated no later than its blocks go.
+        released = [rid for rid in self._direct_held if not self.pool.has(rid)]
+        for rid in released:
+            del self._direct_held[rid]
         meta = QAICConnectorMetadata(
             saves=self._saves_for_step(scheduler_output),
             loads=list(self._pending_loads.values()),
             invalidate=self.pool.drain_freed(),
             await_saves=self._await_saves,
+            release_direct=released,
         )
         self._await_saves = []
         self._loading.update(self._pending_loads)
@@ -505,7 +526,8 @@ class SchedulerSide:
             return True, None
         # Saves run on the worker's own thread, after the step: the blocks they read stay
         # held until the worker reports them finished sending.
-        hold = self.cfg.async_saves and out is not None and out.saved_to > 0
+        direct = out is not None and out.target is not None and out.target.direct
+        hold = self.cfg.async_saves and out is not None and out.saved_to > 0 and not direct
         if hold:
             self._await_saves.append(rid)
         spec = self._staged.pop(rid, None)
@@ -536,9 +558,13 @@ class SchedulerSide:
             lease_s=self.cfg.lease_s,
             expires_at=time.time() + self.pool.expires_in(rid),
             group_starts=spec.starts if any(spec.starts) else (),
+            block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
         )
         if self._key is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, self._key))
+        if spec.direct:  # its blocks are the KV: held until the lease is released or ends
+            self._direct_held[rid] = len(spec.block_ids[0])
+            hold = True
         return hold, msgspec.to_builtins(params)
 
     def pool_stats(self) -> QAICConnectorStats:

@@ -18,6 +18,7 @@ COUNTERS = {
     "saved_tokens": "Tokens whose KV was staged for a decode engine",
     "bytes_copied": "KV bytes copied by the connector (staging writes and loads)",
     "read_descriptors": "Transport reads (NIXL descriptors) by loads, ticket headers included",
+    "direct_reads": "Loads copied straight out of the prefill's KV cache, without staging",
     "lease_expiries": "Staged requests whose lease ran out before every decode read them (prefill)",
     "handshakes": "Handshakes completed with peer engines",
 }

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: direct reads (RankMetadata.cache, RemotePrefill.block_ids)
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -28,6 +28,19 @@ class TransportEndpoint(msgspec.Struct, frozen=True):
     address: str
     size: int
     agent_metadata: bytes = b""
+
+
+class SharedCache(msgspec.Struct, frozen=True):
+    """A prefill rank's KV cache, moved into shared memory at start-up. A decode rank with
+    the same layout, block size and heads on the same host copies a prompt's blocks
+    straight out of it (`direct_reads.py`): no staging copy."""
+
+    path: str  # /proc/<pid>/fd/<fd> of the prefill worker: the shm object is unlinked
+    size: int
+    host: str  # boot id, PID namespace and uid: who can open ``path``
+    shape: tuple[int, ...]  # every layer's physical shape
+    strides: tuple[int, ...]  # in elements
+    layer_offsets: tuple[int, ...]  # each layer's first element
 
 
 class RankMetadata(msgspec.Struct, frozen=True):
@@ -48,6 +61,8 @@ class RankMetadata(msgspec.Struct, frozen=True):
     compat_hash: str
     endpoint: TransportEndpoint
     incarnation: str = ""  # fresh at every engine start; tickets name it
+    cache: SharedCache | None = None  # where decodes may read our KV cache directly
+    host: str = ""  # `direct_reads.host_identity()`: a prefill reads it to allow direct reads
 
 
 COMPAT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_size")
@@ -224,6 +239,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float  # the prefill frees the region this long after the last renewal
     expires_at: float  # unix time the lease ends unless renewed
     group_starts: tuple[int, ...] = ()  # first token staged per KV cache group (): all 0
+    # Set: nothing was staged; read these blocks of the prefill's KV cache (its
+    # `SharedCache`), which it holds until the region at ``staging_offset`` is released.
+    block_ids: tuple[int, ...] = ()
     ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
 
 
@@ -273,6 +291,14 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
         (
             len(p.group_starts) <= 64 and all(0 <= t < p.num_tokens for t in p.group_starts),
             f"group_starts must be at most 64 tokens in [0, num_tokens), got {p.group_starts}",
+        ),
+        (
+            not p.block_ids
+            or (
+                len(p.block_ids) == -(-p.num_tokens // p.staged_block_size)
+                and min(p.block_ids) >= 0
+            ),
+            "block_ids must be one id >= 0 per staged_block_size tokens of num_tokens",
         ),
     ]
     bad_address = address_problem(p.remote_host, p.remote_port, "remote_")

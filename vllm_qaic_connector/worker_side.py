@@ -20,6 +20,12 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.direct_reads import (
+    DirectReader,
+    direct_problem,
+    host_identity,
+    share_kv_cache,
+)
 from vllm_qaic_connector.kv_groups import (
     KVGroup,
     attention_spec,
@@ -46,6 +52,7 @@ from vllm_qaic_connector.tickets import (
     RegionHeaders,
     StaleTicket,
     checked_read,
+    checked_region,
     new_incarnation,
 )
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank, source_ranks
@@ -94,6 +101,7 @@ class LoadResult:
     source_engine: str
     seconds: float = 0.0  # from the load's start to its KV in our blocks
     reads: int = 0  # transport reads (NIXL descriptors), ticket headers included
+    direct: bool = False  # copied out of the prefill's KV cache, not out of staging
 
 
 def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
@@ -165,6 +173,8 @@ class WorkerSide:
         self._saving: dict[str, Future[None]] = {}  # each request's latest save
         self._await_saves: set[str] = set()  # finished; vLLM holds their blocks for us
         self._headers: RegionHeaders | None = None
+        self._direct = DirectReader()
+        self._released_direct: set[str] = set()  # handed off directly; tickets invalidated
         self._load_errors: set[int] = set()
         # With several KV cache groups block ids are not unique, so vLLM takes failed
         # loads by request id (failed_recving) instead of by block.
@@ -240,6 +250,10 @@ class WorkerSide:
                 self.geometry.block_size, self.geometry.head_size, self.geometry.dtype
             )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
+        shares = self.identity.produces and self.cfg.transport == "shm" and self.cfg.direct_reads
+        cache = None
+        if shares and self.state is None and len(self.groups) <= 1:
+            cache = share_kv_cache(tensors)
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
         # A shm load maps the prefill's segment: an engine that only loads needs none.
         only_loads = self.cfg.transport == "shm" and not self.identity.produces
@@ -271,6 +285,8 @@ class WorkerSide:
             ),
             endpoint=self.transport.endpoint(),
             incarnation=self.incarnation,
+            cache=cache,
+            host=host_identity(),
         )
         self.peers.ours = self.rank_meta
         logger.info(
@@ -320,7 +336,11 @@ class WorkerSide:
             return
         for offset in self._metadata.invalidate:
             self._headers.invalidate(offset)
-        saves = self._metadata.saves
+        self._released_direct.update(self._metadata.release_direct)
+        for spec in self._metadata.saves:
+            if spec.direct and spec.generation:
+                self._seal_direct(spec)
+        saves = [spec for spec in self._metadata.saves if not spec.direct]
         if not saves or not self.cfg.async_saves:
             self._save_all(saves)
             return
@@ -339,6 +359,17 @@ class WorkerSide:
             except Exception:
                 logger.exception("QAICConnector: staging request %s failed", spec.request_id)
                 self._headers.abandon(spec.staging_offset)  # its reader fails at once
+
+    def _seal_direct(self, spec: SaveSpec) -> None:
+        """Nothing to copy: the ticket's header says the held blocks are ready. On the
+        engine thread, so no seal can land after the release that invalidates it."""
+        assert self._headers is not None
+        start = spec.staging_offset
+        with self._headers.writing(start, start + HEADER_BYTES, spec.generation):
+            pass
+        with self._stats_lock:
+            self._stats.add("saved_requests")
+            self._stats.add("saved_tokens", spec.num_tokens)
 
     def _saves_done(self) -> set[str]:
         """Finished requests whose saves are all done: vLLM may free their blocks."""
@@ -409,6 +440,7 @@ class WorkerSide:
             assert self.transport is not None
             for old in ranks:
                 self.transport.forget_peer(old.endpoint)
+                self._direct.forget(old)
             self.peers.forget(host, port)
             ranks = self.peers.get(host, port)
         if ranks[0].engine_id != remote.remote_engine_id:
@@ -454,6 +486,8 @@ class WorkerSide:
         if spec.holds_until and time.time() > spec.holds_until:
             late = time.time() - spec.holds_until
             raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
+        if remote.block_ids:
+            return self._load_direct(spec, ranks, gate)
         total, src_tp = self.identity.total_kv_heads, len(ranks)
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
         copied, reads, t0 = 0, 0, time.monotonic()
@@ -510,6 +544,48 @@ class WorkerSide:
             ranks[0].engine_id, time.monotonic() - t0, reads,
         )  # fmt: skip
 
+    def _load_direct(
+        self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate
+    ) -> LoadResult:
+        """Copies the prompt's blocks out of the prefill rank's shared KV cache, inside a
+        check of the ticket's header-only region."""
+        remote = spec.remote
+        assert remote is not None and self.transport is not None
+        assert self.layout is not None and self.rank_meta is not None
+        src = ranks[self.tp_rank] if len(ranks) == self.tp_size else None
+        problem = direct_problem(src, self.rank_meta, len(ranks)) if src else "TP sizes differ"
+        if problem is None and remote.staged_block_size != self.geometry.block_size:
+            problem = "the ticket's block size is not ours"
+        if problem is not None or src is None:
+            raise ConnectionError(f"cannot read the prefill's KV cache directly: {problem}")
+        if max(remote.block_ids) >= src.num_blocks:
+            raise ValueError(f"block_ids beyond the prefill's {src.num_blocks} blocks")
+        t0, bs = time.monotonic(), self.geometry.block_size
+        first, end, ours = spec.start(0), spec.end, spec.block_ids[0]
+        src_layers = self._direct.layers(src, self.layout, self.geometry)
+        with (
+            checked_region(self.transport, src.endpoint, remote.staging_offset, remote.generation),
+            gate.writing(),
+        ):
+            if first % bs:  # the first block is partly ours already
+                copied = sum(
+                    copy_tokens(s, remote.block_ids, d, ours, first, end)
+                    for s, d in zip(src_layers, self.layers, strict=True)
+                )
+            else:
+                lo, hi = first // bs, blocks_for_tokens(end, bs)
+                copied = self._direct.copy(
+                    src_layers, remote.block_ids[lo:hi], self.layers, ours[lo:hi]
+                )
+            if self.cfg.debug_corrupt_loaded_kv:
+                for dst in self.layers:
+                    self._corrupt(dst, spec, 0)
+        self._releaser.submit(self._release_remote, spec)
+        return LoadResult(
+            spec.request_id, frozenset(), end - spec.first_token, copied,
+            ranks[0].engine_id, time.monotonic() - t0, 2, direct=True,
+        )  # fmt: skip
+
     def _corrupt(self, dst: Views, spec: LoadSpec, group: int) -> None:
         """Negative control: zero what was just loaded, so accuracy must collapse."""
         for block in self._blocks_to_load(spec, group):
@@ -558,8 +634,11 @@ class WorkerSide:
                     self._stats.add("loaded_tokens", result.tokens)
                     self._stats.add("bytes_copied", result.bytes_copied)
                     self._stats.add("read_descriptors", result.reads)
+                    self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
-        return self._saves_done() or None, done or None
+        sending = self._saves_done() | self._released_direct
+        self._released_direct = set()
+        return sending or None, done or None
 
     def take_failed_requests(self) -> set[str]:
         failed, self._failed_requests = self._failed_requests, set()
@@ -581,6 +660,7 @@ class WorkerSide:
         self._saver.shutdown(wait=True)  # its writes go into the transport's staging
         self._loader.shutdown()
         self._releaser.shutdown(wait=False)  # queued releases still go out
+        self._direct.close()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

@@ -1,0 +1,203 @@
+"""Direct reads: a prefill's KV cache moved into real shared memory, read by another process,
+and the scheduler holding a direct handoff's blocks until its ticket is gone."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+import torch
+from vllm.v1.outputs import KVConnectorOutput
+
+from tests.ranks import rank_meta
+from tests.test_scheduler_side import free_blocks, meta, params_of
+from tests.vllm_harness import make_request, make_scheduler, step
+from vllm_qaic_connector import side_channel
+from vllm_qaic_connector.direct_reads import (
+    PeerCache,
+    direct_problem,
+    host_identity,
+    share_kv_cache,
+)
+from vllm_qaic_connector.layout import KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    ReleaseRequest,
+    SharedCache,
+)
+
+GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
+LAYERS, BLOCKS, TOKENS = 3, 12, 150  # 10 blocks, the last one partly used
+
+
+def vllm_like_cache(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One int8 backing allocation viewed as each layer's tensor, as vLLM allocates it."""
+    layout = get_layout(kind)
+    shape = layout.physical_shape(BLOCKS, GEO)
+    per_layer = torch.Size(shape).numel()
+    raw = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
+    flat = raw.view(torch.float16)
+    return raw, [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
+
+
+def test_block_runs_merge_blocks_consecutive_on_both_sides():
+    assert block_runs([4, 5, 6, 9, 1], [0, 1, 2, 3, 7]) == [(4, 0, 3), (9, 3, 1), (1, 7, 1)]
+    assert block_runs([], []) == []
+
+
+def test_layers_of_separate_storages_are_not_shared():
+    assert share_kv_cache([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
+
+
+@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_nhd", "cuda_hnd"])
+def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_path):
+    """Moved into shm in place: vLLM's views of the cache (made before the move) write into
+    it, and a second process maps it through /proc and copies the blocks it was named."""
+    raw, layers = vllm_like_cache(kind)
+    cache = share_kv_cache(layers)
+    assert cache is not None and raw.untyped_storage().is_shared()
+    gen = torch.Generator().manual_seed(7)
+    for t in layers:  # written after the move, through views made before it
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    src_blocks = torch.randperm(BLOCKS, generator=gen)[:10].tolist()
+    dst_blocks = torch.randperm(BLOCKS, generator=gen)[:10].tolist()
+    out = tmp_path / "copied.pt"
+    script = f"""
+import torch, msgspec
+from tests.ranks import rank_meta
+from vllm_qaic_connector.direct_reads import DirectReader
+from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.wire import SharedCache
+cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
+geo = KVGeometry(2, 32, 16, torch.float16)
+layout = get_layout({kind!r})
+reader = DirectReader()
+src = reader.layers(rank_meta(cache=cache), layout, geo)
+dst = [layout.kv_views(layout.allocate({BLOCKS}, geo), geo) for _ in src]
+copied = reader.copy(src, {src_blocks}, dst, {dst_blocks})
+torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), {str(out)!r})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    copied_kv, nbytes = torch.load(out)
+    layout = get_layout(kind)
+    for t, (k, v) in zip(layers, copied_kv, strict=True):
+        want_k, want_v = gather_tokens(layout.kv_views(t, GEO), src_blocks, TOKENS)
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert nbytes == LAYERS * 10 * GEO.bytes_per_block
+
+
+def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
+    _, layers = vllm_like_cache("vllm_cpu")
+    cache = share_kv_cache(layers)
+    assert cache is not None
+    layout = get_layout("vllm_cpu")
+    bad_path = msgspec.structs.replace(cache, path="/dev/shm/someone_elses")
+    with pytest.raises(ConnectionError, match="is not /proc/<pid>/fd/<n>"):
+        PeerCache(bad_path, layout, GEO)
+    gone = msgspec.structs.replace(cache, path="/proc/1/fd/999999")
+    with pytest.raises(ConnectionError, match="cannot open"):
+        PeerCache(gone, layout, GEO)
+    too_far = msgspec.structs.replace(cache, layer_offsets=(cache.size,))
+    with pytest.raises(ConnectionError, match="does not fit"):
+        PeerCache(too_far, layout, GEO)
+    bigger = msgspec.structs.replace(cache, size=cache.size * 2)
+    with pytest.raises(ConnectionError, match="smaller than advertised"):
+        PeerCache(bigger, layout, GEO)
+
+
+def test_direct_reads_need_one_format_one_tp_and_one_host():
+    cache = SharedCache("/proc/1/fd/3", 1, host_identity(), (1,), (1,), (0,))
+    prefill = rank_meta(cache=cache)
+    decode = rank_meta(engine_id="dec", host=host_identity())
+    assert direct_problem(prefill, decode, 1) is None
+    assert "does not share" in str(direct_problem(rank_meta(), decode, 1))
+    assert "block sizes differ" in str(
+        direct_problem(prefill, msgspec.structs.replace(decode, block_size=32), 1)
+    )
+    assert "TP sizes differ" in str(direct_problem(prefill, decode, 2))
+    other = msgspec.structs.replace(decode, host="another-boot|pid:[1]|0")
+    assert "same host" in str(direct_problem(prefill, other, 1))
+
+
+BS = 16
+
+
+@pytest.fixture
+def direct_pair():
+    """A prefill scheduler whose rank shares its cache, and a decode on this host that
+    answers its handshake with the same format."""
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    decode.connector.scheduler.set_rank_metadata([rank_meta(engine_id="dec", host=host_identity())])
+    prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
+    cache = SharedCache("/proc/1/fd/3", 1, host_identity(), (1,), (1,), (0,))
+    prefill.connector.scheduler.set_rank_metadata([rank_meta(cache=cache)])
+    yield prefill, decode.connector.scheduler._server.port
+    prefill.connector.shutdown()
+    decode.connector.shutdown()
+
+
+def run_until_saved(prefill, rid: str, port: int, num_tokens: int = 70):
+    prefill.add_request(
+        make_request(
+            rid,
+            num_tokens,
+            {"do_remote_decode": True, "decode_host": "127.0.0.1", "decode_port": port},
+        )
+    )
+    for _ in range(500):  # the request waits for the handshake, then runs
+        out, outputs = step(prefill)
+        if meta(out).saves:
+            return meta(out).saves[0], params_of(outputs, rid)
+        time.sleep(0.01)
+    raise AssertionError("never saved")
+
+
+def test_a_direct_handoff_holds_its_blocks_until_the_ticket_is_released(direct_pair):
+    prefill, port = direct_pair
+    free_before = free_blocks(prefill)
+    spec, params = run_until_saved(prefill, "d1", port)
+    assert spec.direct and list(params["block_ids"]) == spec.block_ids[0]
+    assert len(params["block_ids"]) == 5
+    pool = prefill.connector.scheduler.pool
+    assert pool.pages_in_use == 1  # the ticket's header, no KV
+    out, _ = step(prefill)
+    assert free_blocks(prefill) < free_before  # held for the decode
+    assert meta(out).release_direct == []
+    side_channel.call("127.0.0.1", prefill.connector.scheduler._server.port,
+                      ReleaseRequest(["d1"]), None, 5)  # fmt: skip
+    out, _ = step(prefill)
+    # The worker invalidates the ticket in this step, then reports the request finished.
+    assert meta(out).release_direct == ["d1"] and spec.staging_offset in meta(out).invalidate
+    assert free_blocks(prefill) < free_before
+    step(prefill, KVConnectorOutput(finished_sending={"d1"}))
+    assert free_blocks(prefill) == free_before
+
+
+def test_an_expired_direct_lease_gives_its_blocks_back(direct_pair):
+    prefill, port = direct_pair
+    free_before = free_blocks(prefill)
+    spec, _ = run_until_saved(prefill, "d2", port)
+    assert spec.direct
+    step(prefill)
+    prefill.connector.scheduler.pool.expire(now=time.monotonic() + 61)
+    out, _ = step(prefill)
+    assert meta(out).release_direct == ["d2"] and spec.staging_offset in meta(out).invalidate
+    step(prefill, KVConnectorOutput(finished_sending={"d2"}))
+    assert free_blocks(prefill) == free_before
+
+
+def test_a_decode_on_another_host_gets_staged_kv(direct_pair):
+    prefill, _ = direct_pair
+    elsewhere = rank_meta(engine_id="dec", host="another-boot|pid:[1]|0")
+    server = side_channel.SideChannelServer(
+        "127.0.0.1", 0, lambda _msg: HandshakeReply(PROTOCOL_VERSION, [elsewhere]), None
+    )
+    try:
+        spec, params = run_until_saved(prefill, "s1", server.port)
+        assert not spec.direct and not params.get("block_ids")
+    finally:
+        server.close()

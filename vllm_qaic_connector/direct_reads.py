@@ -1,0 +1,146 @@
+"""Direct reads: a decode copies a prompt's KV blocks straight out of the prefill's KV cache.
+
+When both ranks have the same layout, block size and heads and share a host, staging the
+KV is a copy for nothing. The prefill moves its KV cache into shared memory once, when it is
+registered: torch swaps the storage under every view of it, so vLLM's kernels write into
+shared memory from then on. A handed-off request's blocks stay held until the decode
+acknowledges or the lease ends. Its ticket is a header-only staging region, which the
+prefill invalidates before vLLM may reuse the blocks; the decode checks it before and after
+its copy (`tickets.checked_region`), so a late copy is a load error, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs, copy_block_runs
+from vllm_qaic_connector.wire import RankMetadata, SharedCache
+
+Views = tuple[torch.Tensor, torch.Tensor]
+FD_PATH_RE = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
+
+
+def host_identity() -> str:
+    """Boot, PID namespace and user: equal on two processes when one can open the other's
+    ``/proc/<pid>/fd`` entries."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return f"{boot}|{os.readlink('/proc/self/ns/pid')}|{os.getuid()}"
+
+
+def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
+    """Moves the CPU storage behind ``layers`` into shared memory, in place. None where the
+    layers do not share one storage with one shape, strides and dtype (then every handoff
+    stages)."""
+    first = layers[0]
+    storage = first.untyped_storage()
+    if first.device.type != "cpu" or any(
+        t.untyped_storage().data_ptr() != storage.data_ptr()
+        or (t.shape, t.stride(), t.dtype) != (first.shape, first.stride(), first.dtype)
+        for t in layers
+    ):
+        return None
+    # torch.multiprocessing's own move: a new unlinked shm object, the bytes copied over,
+    # then the storage's data pointer replaced. It dies with the last process mapping it.
+    fd, size = storage._share_fd_cpu_()
+    return SharedCache(
+        f"/proc/{os.getpid()}/fd/{fd}",
+        size,
+        host_identity(),
+        tuple(first.shape),
+        tuple(first.stride()),
+        tuple(int(t.storage_offset()) for t in layers),
+    )
+
+
+def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int) -> str | None:
+    """Why ``decode`` cannot read ``prefill``'s cache directly, or None."""
+    if prefill.cache is None:
+        return "the prefill does not share its KV cache"
+    if (prefill.layout_kind, prefill.block_size) != (decode.layout_kind, decode.block_size):
+        return "layouts or block sizes differ"
+    if prefill_tp != decode.tp_size:
+        return "TP sizes differ"
+    if not decode.host or prefill.cache.host != decode.host:
+        return "not the same host, PID namespace and user"
+    return None
+
+
+class PeerCache:
+    """A prefill rank's shared KV cache, mapped read-only, as canonical views per layer."""
+
+    def __init__(self, cache: SharedCache, layout: KVLayout, geometry: KVGeometry) -> None:
+        if not FD_PATH_RE.fullmatch(cache.path):
+            raise ConnectionError(f"shared KV cache path {cache.path!r} is not /proc/<pid>/fd/<n>")
+        try:
+            fd = os.open(cache.path, os.O_RDONLY)  # reopens the prefill's unlinked shm object
+        except OSError as exc:
+            raise ConnectionError(f"cannot open the prefill's KV cache: {exc}") from None
+        try:
+            if os.fstat(fd).st_size < cache.size:
+                raise ConnectionError("the prefill's KV cache is smaller than advertised")
+            self._map = mmap.mmap(fd, cache.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only on purpose: see transports/shm.py
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            flat = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.dtype)
+        try:
+            self.layers = [
+                layout.kv_views(flat.as_strided(cache.shape, cache.strides, offset), geometry)
+                for offset in cache.layer_offsets
+            ]
+        except RuntimeError as exc:  # a shape or offset outside the mapping
+            raise ConnectionError(f"the prefill's KV cache does not fit its map: {exc}") from None
+
+
+class DirectReader:
+    """Peers' caches, mapped once each, and the copy out of them."""
+
+    def __init__(self) -> None:
+        self._caches: dict[tuple[str, int], PeerCache] = {}  # by (incarnation, rank)
+        self._lock = threading.Lock()
+        # One thread per core this process may use: on a pinned engine that is just us.
+        workers = min(2, len(os.sched_getaffinity(0)))
+        self._pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
+
+    def layers(self, rank: RankMetadata, layout: KVLayout, geometry: KVGeometry) -> list[Views]:
+        assert rank.cache is not None
+        key = (rank.incarnation, rank.tp_rank)
+        with self._lock:
+            if key not in self._caches:
+                self._caches[key] = PeerCache(rank.cache, layout, geometry)
+            return self._caches[key].layers
+
+    def forget(self, rank: RankMetadata) -> None:
+        with self._lock:
+            self._caches.pop((rank.incarnation, rank.tp_rank), None)
+
+    def copy(
+        self,
+        src: Sequence[Views],
+        src_blocks: Sequence[int],
+        dst: Sequence[Views],
+        dst_blocks: Sequence[int],
+    ) -> int:
+        """Copies whole blocks, layer by layer; a second thread takes every other layer."""
+        runs = block_runs(src_blocks, dst_blocks)
+        pairs = list(zip(src, dst, strict=True))
+        if self._pool is None:
+            return sum(copy_block_runs(s, d, runs) for s, d in pairs)
+        half = self._pool.submit(lambda: sum(copy_block_runs(s, d, runs) for s, d in pairs[1::2]))
+        return sum(copy_block_runs(s, d, runs) for s, d in pairs[::2]) + half.result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+        with self._lock:
+            self._caches.clear()
