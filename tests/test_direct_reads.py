@@ -68,7 +68,6 @@ def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_pat
     out = tmp_path / "copied.pt"
     script = f"""
 import torch, msgspec
-from tests.ranks import rank_meta
 from vllm_qaic_connector.direct_reads import DirectReader
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
 from vllm_qaic_connector.wire import SharedCache
@@ -76,7 +75,7 @@ cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
 geo = KVGeometry(2, 32, 16, torch.float16)
 layout = get_layout({kind!r})
 reader = DirectReader()
-src = reader.layers(rank_meta(cache=cache), layout, geo)
+src = reader.layers("prefill/0", cache, layout, geo)
 dst = [layout.kv_views(layout.allocate({BLOCKS}, geo), geo) for _ in src]
 copied = reader.copy(src, {src_blocks}, dst, {dst_blocks})
 torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), {str(out)!r})

@@ -69,6 +69,7 @@ LOAD_SECONDS = "vllm:qaic_kv_load_seconds_count"  # histogram samples
 SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
 READS = "vllm:qaic_kv_read_descriptors_total"
 HANDSHAKES = "vllm:qaic_kv_handshakes_total"
+DIRECT = "vllm:qaic_kv_direct_reads_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 WAITING = "vllm:num_requests_waiting"
 
@@ -219,23 +220,25 @@ def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 def check_happy_path(c: Cluster) -> None:
     """Eight handoffs through the proxy, and the connector's metrics on both /metrics."""
     c.ensure(c.prefill, c.decode, c.proxy)
-    names = (LOADED, LOAD_SECONDS, READS)
+    names = (LOADED, LOAD_SECONDS, READS, DIRECT)
     before = {n: c.decode.metric(n, 0.0) for n in names}
     saves0 = c.prefill.metric(SAVE_SECONDS, 0.0)
     answers = ask_all(c.proxy.url, c.prompts(8), 4)
     time.sleep(1.0)  # the last step's connector stats reach /metrics
-    loaded, timed, reads = (c.decode.metric(n, 0.0) - before[n] for n in names)
+    loaded, timed, reads, direct = (c.decode.metric(n, 0.0) - before[n] for n in names)
     saves = c.prefill.metric(SAVE_SECONDS, 0.0) - saves0
     verdicts = [a.verdict for a in answers]
     say(
         f"happy path {c.transport}", correct=verdicts.count("correct"), of=8, kv_loads=loaded,
         load_seconds_samples=timed, save_seconds_samples=saves, read_descriptors=reads,
-        handshakes=c.decode.metric(HANDSHAKES, 0.0),
+        handshakes=c.decode.metric(HANDSHAKES, 0.0), direct_reads=direct,
     )  # fmt: skip
     assert verdicts == ["correct"] * 8, [a.brief() for a in answers if a.verdict != "correct"]
     assert loaded >= 4, f"only {loaded:.0f} of 8 handoffs loaded KV (the rest recomputed)"
     # Issue #13 metrics: one load and one save time per handoff, two reads per source rank.
     assert timed == loaded and reads == 2 * loaded and saves >= 8
+    # Same format on one host: over shm every load reads the prefill's cache, no staging.
+    assert direct == (loaded if c.transport == "shm" else 0)
     assert c.decode.metric(HANDSHAKES, 0.0) >= 1
 
 

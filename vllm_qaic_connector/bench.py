@@ -6,7 +6,9 @@ A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's
 a decode's as the worker does: save (`copy_tokens` into staging under a ticket header), then
 load (`checked_read` through a second transport and `copy_tokens` into shuffled blocks, or
 into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
-NIXL agents live in this process; their bytes still go through UCX.
+NIXL agents live in this process; their bytes still go through UCX. The direct path (what
+the worker does when both sides share a format and a host) saves only the ticket; its load
+maps the prefill's cache, moved into shm by `share_kv_cache`, and copies whole blocks.
 
 Each (path, tokens) runs once untimed first; after the timed handoffs the decode's KV is
 zeroed, one more handoff runs, and its tokens must equal the prefill's byte for byte (else
@@ -32,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from vllm_qaic_connector.direct_reads import DirectReader, share_kv_cache
 from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
@@ -42,7 +45,13 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.qaic_slot_pull import SlotPuller
 from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, checked_read, new_incarnation
+from vllm_qaic_connector.tickets import (
+    HEADER_BYTES,
+    RegionHeaders,
+    checked_read,
+    checked_region,
+    new_incarnation,
+)
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -61,10 +70,13 @@ class Path(NamedTuple):
     staged: Fmt
     decode: Fmt
     pull: bool = False  # NIXL READs straight into the decode's QAIC slot
+    direct: bool = False  # no staging: the decode reads the prefill's cache
 
 
 PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefill's
-    "shm": Path("shm same layout", "shm", HND16, HND16, HND16),
+    "shm": Path("shm same layout, direct", "shm", HND16, HND16, HND16, direct=True),
+    "shm-128": Path("shm same layout 128, direct", "shm", CPU128, CPU128, CPU128, direct=True),
+    "shm-staged": Path("shm same layout, staged", "shm", HND16, HND16, HND16),
     "shm-reblock": Path("shm re-block+permute", "shm", NHD64, HND16, HND16),
     "shm-cpu-slot": Path("shm vllm_cpu→qaic slot", "shm", CPU128, CPU128, SLOT),
     "nixl": Path("nixl same layout", "nixl", HND16, HND16, HND16),
@@ -103,15 +115,24 @@ class Case(NamedTuple):
 def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -> Cache:
     """(views, shuffled block ids) of a cache of exactly ``n`` tokens' blocks; ``fill``:
     random bytes, each layer different."""
+    layers, blocks = layers_of(shape, fmt, n, gen, fill)
+    geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
+    return [layout.kv_views(t, geo) for t in layers], blocks
+
+
+def layers_of(
+    shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool
+) -> tuple[list[torch.Tensor], list[int]]:
+    """``kv_cache``'s physical layer tensors: one allocation, as vLLM makes it."""
     geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
     nb = blocks_for_tokens(n, geo.block_size)
-    layers = [layout.allocate(nb, geo) for _ in range(shape.layers)]
+    layers = list(torch.zeros((shape.layers, *layout.physical_shape(nb, geo)), dtype=geo.dtype))
     if fill:
         size = layers[0].numel() * geo.dtype.itemsize
         pool = torch.randint(0, 256, (size + shape.layers,), dtype=torch.uint8, generator=gen)
         for i, t in enumerate(layers):
             t.view(-1).view(torch.uint8).copy_(pool[i : i + size])
-    return [layout.kv_views(t, geo) for t in layers], torch.randperm(nb, generator=gen).tolist()
+    return layers, torch.randperm(nb, generator=gen).tolist()
 
 
 def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
@@ -133,6 +154,8 @@ def slot_target(shape: Shape, n: int, stack: ExitStack) -> SlotTarget:
 
 def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     """Sets ``path`` up for ``n`` tokens; ``stack`` closes everything it opened."""
+    if path.direct:
+        return direct_case(path, shape, n, stack)
     gen = torch.Generator().manual_seed(n)
     src, src_blocks = kv_cache(shape, path.prefill, n, gen, fill=True)
     fmt = StagingFormat(path.staged[0], shape.geo(path.staged, n), shape.layers)
@@ -173,6 +196,31 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             write(fmt.layer_views(region, n))
 
     return Case(save, load, (src, src_blocks), (dst, dst_blocks))
+
+
+def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
+    """The prefill's cache moved into shm; the ticket is a header-only staging region."""
+    gen = torch.Generator().manual_seed(n)
+    geo, layout = shape.geo(path.prefill, n), get_layout(path.prefill[0])
+    prefill_layers, src_blocks = layers_of(shape, path.prefill, n, gen, fill=True)
+    cache = share_kv_cache(prefill_layers)
+    assert cache is not None
+    dst = kv_cache(shape, path.decode, n, gen, fill=False)
+    owner, reader = transports("shm", HEADER_BYTES, stack)
+    peer, headers, direct = owner.endpoint(), RegionHeaders(owner.staging), DirectReader()
+    stack.callback(direct.close)
+    mapped = direct.layers("bench/0", cache, layout, geo)
+
+    def save() -> None:
+        with headers.writing(0, HEADER_BYTES, GENERATION):
+            pass
+
+    def load() -> None:
+        with checked_region(reader, peer, 0, GENERATION):
+            direct.copy(mapped, src_blocks, dst[0], dst[1])
+
+    src = [layout.kv_views(t, geo) for t in prefill_layers]  # checked: not the mapping
+    return Case(save, load, (src, src_blocks), dst)
 
 
 def mismatches(src: Cache, dst: Cache, n: int) -> list[str]:

@@ -74,6 +74,10 @@ def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int)
     return None
 
 
+def owner_of(rank: RankMetadata) -> str:
+    return f"{rank.incarnation}/{rank.tp_rank}"
+
+
 class PeerCache:
     """A prefill rank's shared KV cache, mapped read-only, as canonical views per layer."""
 
@@ -106,23 +110,24 @@ class DirectReader:
     """Peers' caches, mapped once each, and the copy out of them."""
 
     def __init__(self) -> None:
-        self._caches: dict[tuple[str, int], PeerCache] = {}  # by (incarnation, rank)
+        self._caches: dict[str, PeerCache] = {}
         self._lock = threading.Lock()
         # One thread per core this process may use: on a pinned engine that is just us.
         workers = min(2, len(os.sched_getaffinity(0)))
         self._pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
 
-    def layers(self, rank: RankMetadata, layout: KVLayout, geometry: KVGeometry) -> list[Views]:
-        assert rank.cache is not None
-        key = (rank.incarnation, rank.tp_rank)
+    def layers(
+        self, owner: str, cache: SharedCache, layout: KVLayout, geometry: KVGeometry
+    ) -> list[Views]:
+        """``owner`` names the prefill rank and its start (`owner_of`)."""
         with self._lock:
-            if key not in self._caches:
-                self._caches[key] = PeerCache(rank.cache, layout, geometry)
-            return self._caches[key].layers
+            if owner not in self._caches:
+                self._caches[owner] = PeerCache(cache, layout, geometry)
+            return self._caches[owner].layers
 
-    def forget(self, rank: RankMetadata) -> None:
+    def forget(self, owner: str) -> None:
         with self._lock:
-            self._caches.pop((rank.incarnation, rank.tp_rank), None)
+            self._caches.pop(owner, None)
 
     def copy(
         self,

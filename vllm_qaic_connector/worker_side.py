@@ -24,6 +24,7 @@ from vllm_qaic_connector.direct_reads import (
     DirectReader,
     direct_problem,
     host_identity,
+    owner_of,
     share_kv_cache,
 )
 from vllm_qaic_connector.kv_groups import (
@@ -364,12 +365,13 @@ class WorkerSide:
         """Nothing to copy: the ticket's header says the held blocks are ready. On the
         engine thread, so no seal can land after the release that invalidates it."""
         assert self._headers is not None
-        start = spec.staging_offset
+        start, t0 = spec.staging_offset, time.monotonic()
         with self._headers.writing(start, start + HEADER_BYTES, spec.generation):
             pass
         with self._stats_lock:
             self._stats.add("saved_requests")
             self._stats.add("saved_tokens", spec.num_tokens)
+            self._stats.sample("save_seconds", time.monotonic() - t0)
 
     def _saves_done(self) -> set[str]:
         """Finished requests whose saves are all done: vLLM may free their blocks."""
@@ -440,7 +442,7 @@ class WorkerSide:
             assert self.transport is not None
             for old in ranks:
                 self.transport.forget_peer(old.endpoint)
-                self._direct.forget(old)
+                self._direct.forget(owner_of(old))
             self.peers.forget(host, port)
             ranks = self.peers.get(host, port)
         if ranks[0].engine_id != remote.remote_engine_id:
@@ -562,7 +564,8 @@ class WorkerSide:
             raise ValueError(f"block_ids beyond the prefill's {src.num_blocks} blocks")
         t0, bs = time.monotonic(), self.geometry.block_size
         first, end, ours = spec.start(0), spec.end, spec.block_ids[0]
-        src_layers = self._direct.layers(src, self.layout, self.geometry)
+        assert src.cache is not None  # direct_problem checked it
+        src_layers = self._direct.layers(owner_of(src), src.cache, self.layout, self.geometry)
         with (
             checked_region(self.transport, src.endpoint, remote.staging_offset, remote.generation),
             gate.writing(),
