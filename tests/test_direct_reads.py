@@ -17,6 +17,7 @@ from tests.test_scheduler_side import free_blocks, meta, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.direct_reads import (
+    DirectReader,
     PeerCache,
     direct_problem,
     host_identity,
@@ -103,13 +104,42 @@ def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
     too_far = msgspec.structs.replace(cache, layer_offsets=(cache.size,))
     with pytest.raises(ConnectionError, match="does not fit"):
         PeerCache(too_far, layout, GEO)
+    other_object = msgspec.structs.replace(cache, inode=cache.inode + 1)
+    with pytest.raises(ConnectionError, match="not the object it advertised"):
+        PeerCache(other_object, layout, GEO)
     bigger = msgspec.structs.replace(cache, size=cache.size * 2)
     with pytest.raises(ConnectionError, match="smaller than advertised"):
         PeerCache(bigger, layout, GEO)
 
 
+def test_the_cache_of_a_prefill_that_died_is_unmapped():
+    """SIGKILL the process that shared its cache: the reader drops its mapping (which alone
+    would keep the dead prefill's whole KV cache in memory) at its next step."""
+    script = """
+import time, msgspec, torch
+from vllm_qaic_connector.direct_reads import share_kv_cache
+raw = torch.zeros(3 * 12 * 2 * 16 * 64, dtype=torch.float16)
+layers = [t.view(12, 2, 16, 64) for t in raw.view(3, -1)]
+print(msgspec.json.encode(share_kv_cache(layers)).decode(), flush=True)
+time.sleep(300)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    reader = DirectReader()
+    try:
+        cache = msgspec.json.decode(proc.stdout.readline(), type=SharedCache)
+        reader.layers("p/0", cache, get_layout("vllm_cpu"), GEO)
+        reader.drop_dead()
+        assert reader.owners == ["p/0"]  # alive: kept
+    finally:
+        proc.kill()
+        proc.wait()
+    reader.drop_dead()
+    assert reader.owners == []
+    reader.close()
+
+
 def test_direct_reads_need_one_format_one_tp_and_one_host():
-    cache = SharedCache("/proc/1/fd/3", 1, host_identity(), (1,), (1,), (0,))
+    cache = SharedCache("/proc/1/fd/3", 1, 0, host_identity(), (1,), (1,), (0,))
     prefill = rank_meta(cache=cache)
     decode = rank_meta(engine_id="dec", host=host_identity())
     assert direct_problem(prefill, decode, 1) is None
@@ -132,7 +162,7 @@ def direct_pair():
     decode = make_scheduler("kv_consumer", BS, engine_id="dec")
     decode.connector.scheduler.set_rank_metadata([rank_meta(engine_id="dec", host=host_identity())])
     prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
-    cache = SharedCache("/proc/1/fd/3", 1, host_identity(), (1,), (1,), (0,))
+    cache = SharedCache("/proc/1/fd/3", 1, 0, host_identity(), (1,), (1,), (0,))
     prefill.connector.scheduler.set_rank_metadata([rank_meta(cache=cache)])
     yield prefill, decode.connector.scheduler._server.port
     prefill.connector.shutdown()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import select
 import threading
 import warnings
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs, copy_bl
 from vllm_qaic_connector.wire import RankMetadata, SharedCache
 
 Views = tuple[torch.Tensor, torch.Tensor]
-FD_PATH_RE = re.compile(r"/proc/[0-9]+/fd/[0-9]+")
+FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
 
 
 def host_identity() -> str:
@@ -54,6 +55,7 @@ def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
     return SharedCache(
         f"/proc/{os.getpid()}/fd/{fd}",
         size,
+        os.fstat(fd).st_ino,
         host_identity(),
         tuple(first.shape),
         tuple(first.stride()),
@@ -79,19 +81,27 @@ def owner_of(rank: RankMetadata) -> str:
 
 
 class PeerCache:
-    """A prefill rank's shared KV cache, mapped read-only, as canonical views per layer."""
+    """A prefill rank's shared KV cache, mapped read-only, as canonical views per layer.
+    Dropped once the prefill process is gone: the mapping alone would keep its memory."""
 
     def __init__(self, cache: SharedCache, layout: KVLayout, geometry: KVGeometry) -> None:
-        if not FD_PATH_RE.fullmatch(cache.path):
+        if not (match := FD_PATH_RE.fullmatch(cache.path)):
             raise ConnectionError(f"shared KV cache path {cache.path!r} is not /proc/<pid>/fd/<n>")
-        try:
+        try:  # the process first: a pidfd names it even if its pid is reused later
+            self._pidfd = os.pidfd_open(int(match[1]))
             fd = os.open(cache.path, os.O_RDONLY)  # reopens the prefill's unlinked shm object
         except OSError as exc:
             raise ConnectionError(f"cannot open the prefill's KV cache: {exc}") from None
         try:
-            if os.fstat(fd).st_size < cache.size:
+            st = os.fstat(fd)
+            if st.st_ino != cache.inode:
+                raise ConnectionError("the prefill's KV cache is not the object it advertised")
+            if st.st_size < cache.size:
                 raise ConnectionError("the prefill's KV cache is smaller than advertised")
             self._map = mmap.mmap(fd, cache.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self._pidfd)
+            raise
         finally:
             os.close(fd)
         with warnings.catch_warnings():  # read-only on purpose: see transports/shm.py
@@ -103,7 +113,14 @@ class PeerCache:
                 for offset in cache.layer_offsets
             ]
         except RuntimeError as exc:  # a shape or offset outside the mapping
+            os.close(self._pidfd)
             raise ConnectionError(f"the prefill's KV cache does not fit its map: {exc}") from None
+
+    def alive(self) -> bool:
+        return not select.select([self._pidfd], [], [], 0)[0]  # readable once it exited
+
+    def close(self) -> None:
+        os.close(self._pidfd)
 
 
 class DirectReader:
@@ -127,7 +144,21 @@ class DirectReader:
 
     def forget(self, owner: str) -> None:
         with self._lock:
-            self._caches.pop(owner, None)
+            cache = self._caches.pop(owner, None)
+        if cache is not None:
+            cache.close()
+
+    @property
+    def owners(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def drop_dead(self) -> None:
+        """Unmaps the caches of prefills that exited (cheap: a poll per mapped cache)."""
+        with self._lock:
+            dead = [owner for owner, cache in self._caches.items() if not cache.alive()]
+        for owner in dead:
+            self.forget(owner)
 
     def copy(
         self,
@@ -147,5 +178,5 @@ class DirectReader:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False)
-        with self._lock:
-            self._caches.clear()
+        for owner in list(self._caches):
+            self.forget(owner)

@@ -37,6 +37,7 @@ class SharedCache(msgspec.Struct, frozen=True):
 
     path: str  # /proc/<pid>/fd/<fd> of the prefill worker: the shm object is unlinked
     size: int
+    inode: int  # tells that object from whatever a reused pid or fd number may show later
     host: str  # boot id, PID namespace and uid: who can open ``path``
     shape: tuple[int, ...]  # every layer's physical shape
     strides: tuple[int, ...]  # in elements

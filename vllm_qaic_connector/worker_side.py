@@ -639,6 +639,7 @@ class WorkerSide:
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
+        self._direct.drop_dead()
         sending = self._saves_done() | self._released_direct
         self._released_direct = set()
         return sending or None, done or None
