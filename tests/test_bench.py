@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_qaic_connector import bench
+from vllm_qaic_connector import bench, direct_reads
 from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
@@ -87,7 +87,13 @@ def test_a_copy_that_drops_the_last_token_is_caught(
     def short(src, src_blocks, dst, dst_blocks, t0, t1, *rest):
         return real(src, src_blocks, dst, dst_blocks, t0, t1 - 1, *rest)
 
+    def short_runs(src, dst, runs):  # a direct path's copy, one token short: its last block
+        s0, d0, n = runs[-1]
+        return real_runs(src, dst, [*runs[:-1], *([(s0, d0, n - 1)] if n > 1 else [])])
+
+    real_runs = direct_reads.copy_block_runs
     monkeypatch.setattr(bench, "copy_tokens", short)
+    monkeypatch.setattr(direct_reads, "copy_block_runs", short_runs)
     shape = bench.Shape(LAYERS, HEADS, HEAD_DIM, torch.float16)
     with pytest.raises(bench.Mismatch, match=f"{2 * LAYERS} of {2 * LAYERS} planes differ"):
         bench.measure(bench.PATHS[key], shape, 70, 1, corrupt=False)
@@ -113,7 +119,7 @@ def test_ctrl_c_or_sigterm_frees_every_segment(signum: int) -> None:
     proc = start("--tokens", *["3000"] * 40, "--paths", "shm", "slot-write", "--repeats", "1")
     try:
         assert proc.stdout is not None
-        while not proc.stdout.readline().startswith("shm same layout"):  # a row: imports are done
+        while not proc.stdout.readline().startswith("shm direct"):  # a row: imports are done
             assert proc.poll() is None
         deadline = time.monotonic() + 30
         while not leftovers(proc.pid) and time.monotonic() < deadline:

@@ -74,9 +74,9 @@ class Path(NamedTuple):
 
 
 PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefill's
-    "shm": Path("shm same layout, direct", "shm", HND16, HND16, HND16, direct=True),
-    "shm-128": Path("shm same layout 128, direct", "shm", CPU128, CPU128, CPU128, direct=True),
-    "shm-staged": Path("shm same layout, staged", "shm", HND16, HND16, HND16),
+    "shm": Path("shm direct (HND 16)", "shm", HND16, HND16, HND16, direct=True),
+    "shm-128": Path("shm direct (CPU 128)", "shm", CPU128, CPU128, CPU128, direct=True),
+    "shm-staged": Path("shm staged (HND 16)", "shm", HND16, HND16, HND16),
     "shm-reblock": Path("shm re-block+permute", "shm", NHD64, HND16, HND16),
     "shm-cpu-slot": Path("shm vllm_cpu→qaic slot", "shm", CPU128, CPU128, SLOT),
     "nixl": Path("nixl same layout", "nixl", HND16, HND16, HND16),
