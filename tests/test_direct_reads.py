@@ -19,16 +19,23 @@ from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     PeerCache,
+    cache_endpoint,
     direct_problem,
     host_identity,
+    plan_cache_reads,
+    register_kv_cache,
     share_kv_cache,
 )
 from vllm_qaic_connector.layout import KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.tickets import new_incarnation
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     ReleaseRequest,
     SharedCache,
+    TransportEndpoint,
 )
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
@@ -139,7 +146,14 @@ time.sleep(300)
 
 
 def test_direct_reads_need_one_format_one_tp_and_one_host():
-    cache = SharedCache("/proc/1/fd/3", 1, 0, host_identity(), (1,), (1,), (0,))
+    cache = SharedCache(
+        size=1,
+        shape=(1,),
+        strides=(1,),
+        layer_offsets=(0,),
+        path="/proc/1/fd/3",
+        host=host_identity(),
+    )
     prefill = rank_meta(cache=cache)
     decode = rank_meta(engine_id="dec", host=host_identity())
     assert direct_problem(prefill, decode, 1) is None
@@ -150,6 +164,47 @@ def test_direct_reads_need_one_format_one_tp_and_one_host():
     assert "TP sizes differ" in str(direct_problem(prefill, decode, 2))
     other = msgspec.structs.replace(decode, host="another-boot|pid:[1]|0")
     assert "same host" in str(direct_problem(prefill, other, 1))
+    assert "does not read" in str(direct_problem(prefill, rank_meta(engine_id="dec"), 1))
+    nixl_decode = msgspec.structs.replace(decode, endpoint=TransportEndpoint("nixl", "a@0x1", 1))
+    assert "transports differ" in str(direct_problem(prefill, nixl_decode, 1))
+    # Over NIXL the host does not matter: READs cross hosts.
+    nixl_cache = msgspec.structs.replace(cache, path="", host="", address=0x1000)
+    nixl_prefill = msgspec.structs.replace(prefill, cache=nixl_cache, endpoint=nixl_decode.endpoint)
+    assert direct_problem(nixl_prefill, msgspec.structs.replace(nixl_decode, host="x"), 1) is None
+
+
+@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_hnd"])
+def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
+    """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
+    transfer of whole blocks (adjacent ones merged) from one into the other over UCX."""
+    pytest.importorskip("nixl")
+    layout = get_layout(kind)
+    _, prefill_layers = vllm_like_cache(kind)
+    _, decode_layers = vllm_like_cache(kind)
+    gen = torch.Generator().manual_seed(3)
+    for t in prefill_layers:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    src_blocks, dst_blocks = [7, 8, 9, 2, 0, 1, 11, 4, 5, 6], [0, 1, 2, 9, 3, 4, 5, 11, 7, 8]
+    inc = new_incarnation()
+    prefill = NixlTransport(staging_name("p", 0, inc), 1 << 16)
+    decode = NixlTransport(staging_name("d", 0, inc), 1 << 16)
+    try:
+        cache = register_kv_cache(prefill_layers, prefill)
+        assert cache is not None and register_kv_cache(decode_layers, decode) is not None
+        rank = rank_meta(engine_id="p", incarnation=inc, cache=cache, endpoint=prefill.endpoint())
+        runs = plan_cache_reads(
+            cache, layout, decode_layers, list(zip(src_blocks, dst_blocks, strict=True))
+        )
+        # 6 runs of blocks adjacent on both sides, per plane (K and V; one: vllm_cpu) and layer
+        assert len(runs) == 6 * (1 if kind == "vllm_cpu" else 2) * LAYERS
+        decode.read_into(cache_endpoint(rank), runs)
+    finally:
+        decode.close()
+        prefill.close()
+    for s, d in zip(prefill_layers, decode_layers, strict=True):
+        want = gather_tokens(layout.kv_views(s, GEO), src_blocks, TOKENS)
+        got = gather_tokens(layout.kv_views(d, GEO), dst_blocks, TOKENS)
+        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
 
 
 BS = 16
@@ -162,7 +217,14 @@ def direct_pair():
     decode = make_scheduler("kv_consumer", BS, engine_id="dec")
     decode.connector.scheduler.set_rank_metadata([rank_meta(engine_id="dec", host=host_identity())])
     prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
-    cache = SharedCache("/proc/1/fd/3", 1, 0, host_identity(), (1,), (1,), (0,))
+    cache = SharedCache(
+        size=1,
+        shape=(1,),
+        strides=(1,),
+        layer_offsets=(0,),
+        path="/proc/1/fd/3",
+        host=host_identity(),
+    )
     prefill.connector.scheduler.set_rank_metadata([rank_meta(cache=cache)])
     yield prefill, decode.connector.scheduler._server.port
     prefill.connector.shutdown()

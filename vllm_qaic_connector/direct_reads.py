@@ -1,12 +1,13 @@
 """Direct reads: a decode copies a prompt's KV blocks straight out of the prefill's KV cache.
 
-When both ranks have the same layout, block size and heads and share a host, staging the
-KV is a copy for nothing. The prefill moves its KV cache into shared memory once, when it is
-registered: torch swaps the storage under every view of it, so vLLM's kernels write into
-shared memory from then on. A handed-off request's blocks stay held until the decode
-acknowledges or the lease ends. Its ticket is a header-only staging region, which the
-prefill invalidates before vLLM may reuse the blocks; the decode checks it before and after
-its copy (`tickets.checked_region`), so a late copy is a load error, never wrong KV.
+When both ranks have the same layout, block size and heads, staging the KV is a copy for
+nothing. The prefill makes its KV cache readable once, when it is registered: over shm it
+moves it into shared memory (torch swaps the storage under every view of it, so vLLM's
+kernels write into shared memory from then on); over NIXL it registers it with its agent.
+A handed-off request's blocks stay held until the decode acknowledges or the lease ends.
+Its ticket is a header-only staging region, which the prefill invalidates before vLLM may
+reuse the blocks; the decode checks it before and after its copy (`tickets.checked_region`),
+so a late copy is a load error, never wrong KV.
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
-from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs, copy_block_runs
-from vllm_qaic_connector.wire import RankMetadata, SharedCache
+from vllm_qaic_connector.layout import (
+    BlockExtents,
+    ByteRun,
+    KVGeometry,
+    KVLayout,
+    block_runs,
+    copy_block_runs,
+    plan_block_reads,
+)
+from vllm_qaic_connector.transports.base import KVTransport
+from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.wire import RankMetadata, SharedCache, TransportEndpoint
 
 Views = tuple[torch.Tensor, torch.Tensor]
 FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
@@ -37,10 +49,9 @@ def host_identity() -> str:
     return f"{boot}|{os.readlink('/proc/self/ns/pid')}|{os.getuid()}"
 
 
-def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
-    """Moves the CPU storage behind ``layers`` into shared memory, in place. None where the
-    layers do not share one storage with one shape, strides and dtype (then every handoff
-    stages)."""
+def backing(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one CPU allocation behind ``layers``, as flat bytes; None where they do not share
+    one storage with one shape, strides and dtype (vLLM allocates them so)."""
     first = layers[0]
     storage = first.untyped_storage()
     if first.device.type != "cpu" or any(
@@ -49,31 +60,80 @@ def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
         for t in layers
     ):
         return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def _described(layers: Sequence[torch.Tensor], size: int, **where: Any) -> SharedCache:
+    first = layers[0]
+    offsets = tuple(int(t.storage_offset()) for t in layers)
+    return SharedCache(
+        size=size, shape=tuple(first.shape), strides=tuple(first.stride()),
+        layer_offsets=offsets, **where,
+    )  # fmt: skip
+
+
+def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
+    """Moves the storage behind ``layers`` into shared memory, in place (see `backing`)."""
+    whole = backing(layers)
+    if whole is None:
+        return None
     # torch.multiprocessing's own move: a new unlinked shm object, the bytes copied over,
     # then the storage's data pointer replaced. It dies with the last process mapping it.
-    fd, size = storage._share_fd_cpu_()
-    return SharedCache(
-        f"/proc/{os.getpid()}/fd/{fd}",
-        size,
-        os.fstat(fd).st_ino,
-        host_identity(),
-        tuple(first.shape),
-        tuple(first.stride()),
-        tuple(int(t.storage_offset()) for t in layers),
-    )
+    fd, size = whole.untyped_storage()._share_fd_cpu_()
+    path, inode = f"/proc/{os.getpid()}/fd/{fd}", os.fstat(fd).st_ino
+    return _described(layers, size, path=path, inode=inode, host=host_identity())
+
+
+def register_kv_cache(layers: Sequence[torch.Tensor], transport: KVTransport) -> SharedCache | None:
+    """Registers the storage behind ``layers`` with a NIXL transport: peers READ from it
+    (a prefill) or into it (a decode)."""
+    whole = backing(layers)
+    if whole is None or not isinstance(transport, NixlTransport):
+        return None
+    transport.register_destination(whole)
+    return _described(layers, whole.numel(), address=whole.data_ptr())
 
 
 def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int) -> str | None:
     """Why ``decode`` cannot read ``prefill``'s cache directly, or None."""
     if prefill.cache is None:
         return "the prefill does not share its KV cache"
+    if not decode.host:
+        return "the decode does not read caches directly"
     if (prefill.layout_kind, prefill.block_size) != (decode.layout_kind, decode.block_size):
         return "layouts or block sizes differ"
     if prefill_tp != decode.tp_size:
         return "TP sizes differ"
-    if not decode.host or prefill.cache.host != decode.host:
+    if prefill.endpoint.kind != decode.endpoint.kind:
+        return "transports differ"
+    if prefill.cache.path and prefill.cache.host != decode.host:
         return "not the same host, PID namespace and user"
     return None
+
+
+def plan_cache_reads(
+    cache: SharedCache,
+    layout: KVLayout,
+    layers: Sequence[torch.Tensor],
+    blocks: Sequence[tuple[int, int]],
+) -> list[ByteRun]:
+    """NIXL runs for (prefill block, our block) pairs of every layer: the source offset in
+    the prefill's cache, the destination address in ours."""
+    src = BlockExtents.of(cache.shape, cache.strides, layout.block_dim)
+    runs: list[ByteRun] = []
+    for offset, layer in zip(cache.layer_offsets, layers, strict=True):
+        dst = BlockExtents.of(layer.shape, layer.stride(), layout.block_dim)
+        size = layer.element_size()
+        runs += plan_block_reads(src, offset * size, dst, layer.data_ptr(), blocks, size)
+    return runs
+
+
+def cache_endpoint(rank: RankMetadata) -> TransportEndpoint:
+    """A NIXL prefill rank's KV cache as a region to read, like its staging."""
+    assert rank.cache is not None
+    agent = rank.endpoint.address.rpartition("@")[0]
+    address = f"{agent}@{rank.cache.address:#x}"
+    return TransportEndpoint("nixl", address, rank.cache.size, rank.endpoint.agent_metadata)
 
 
 def owner_of(rank: RankMetadata) -> str:

@@ -36,6 +36,7 @@ class KVLayout(ABC):
     """One physical per-layer KV storage format. A new backend is one new subclass."""
 
     kind: ClassVar[str]
+    block_dim: ClassVar[int] = 1  # the physical dim that indexes blocks (dims before: K/V)
 
     @abstractmethod
     def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
@@ -86,6 +87,7 @@ class VllmCpuLayout(KVLayout):
     """
 
     kind = "vllm_cpu"
+    block_dim = 0  # K and V share a block: [H, 2B, D]
 
     def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
         return (num_blocks, geo.num_heads, geo.block_size, 2 * geo.head_size)
@@ -283,6 +285,50 @@ class ByteRun:
     src: int  # offset in the source region
     dst: int  # destination address (or offset)
     nbytes: int
+
+
+@dataclass(frozen=True)
+class BlockExtents:
+    """Where one layer's blocks lie, in elements from the layer's first one: block ``b`` of
+    plane ``p`` (K, V; one plane where a block holds both) spans ``elems`` elements from
+    ``planes[p] + b * stride``."""
+
+    planes: tuple[int, ...]
+    stride: int
+    elems: int
+
+    @classmethod
+    def of(cls, shape: Sequence[int], strides: Sequence[int], block_dim: int) -> BlockExtents:
+        inner = shape[block_dim + 1 :]
+        dense = [math.prod(inner[i + 1 :]) for i in range(len(inner))]
+        if list(strides[block_dim + 1 :]) != dense:
+            raise ValueError(f"a block of a {tuple(shape)} layer with strides {strides} has gaps")
+        planes = [p * strides[0] for p in range(shape[0])] if block_dim == 1 else [0]
+        return cls(tuple(planes), strides[block_dim], math.prod(inner))
+
+
+def plan_block_reads(
+    src: BlockExtents,
+    src_base: int,
+    dst: BlockExtents,
+    dst_base: int,
+    blocks: Sequence[tuple[int, int]],
+    itemsize: int,
+) -> list[ByteRun]:
+    """Runs that copy whole blocks (source, destination) between two layers of one layout,
+    at byte addresses ``src_base`` and ``dst_base``; blocks adjacent on both sides merge."""
+    if len(src.planes) != len(dst.planes) or src.elems != dst.elems:
+        raise ValueError(f"block extents differ: {src} vs {dst}")
+    nbytes = src.elems * itemsize
+    return merge_runs(
+        ByteRun(
+            src_base + (sp + s * src.stride) * itemsize,
+            dst_base + (dp + d * dst.stride) * itemsize,
+            nbytes,
+        )  # fmt: skip
+        for sp, dp in zip(src.planes, dst.planes, strict=True)
+        for s, d in blocks
+    )
 
 
 def merge_runs(runs: Iterable[ByteRun]) -> list[ByteRun]:

@@ -30,18 +30,19 @@ class TransportEndpoint(msgspec.Struct, frozen=True):
     agent_metadata: bytes = b""
 
 
-class SharedCache(msgspec.Struct, frozen=True):
-    """A prefill rank's KV cache, moved into shared memory at start-up. A decode rank with
-    the same layout, block size and heads on the same host copies a prompt's blocks
-    straight out of it (`direct_reads.py`): no staging copy."""
+class SharedCache(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill rank's KV cache, readable by its peers: moved into shared memory (shm) or
+    registered with its NIXL agent at start-up. A decode rank with the same layout, block
+    size and TP copies a prompt's blocks straight out of it (`direct_reads.py`): no staging."""
 
-    path: str  # /proc/<pid>/fd/<fd> of the prefill worker: the shm object is unlinked
     size: int
-    inode: int  # tells that object from whatever a reused pid or fd number may show later
-    host: str  # boot id, PID namespace and uid: who can open ``path``
     shape: tuple[int, ...]  # every layer's physical shape
     strides: tuple[int, ...]  # in elements
     layer_offsets: tuple[int, ...]  # each layer's first element
+    path: str = ""  # shm: /proc/<pid>/fd/<fd> of the prefill worker (the object is unlinked)
+    inode: int = 0  # shm: tells that object from whatever a reused pid or fd may show later
+    host: str = ""  # shm: boot id, PID namespace and uid: who can open ``path``
+    address: int = 0  # nixl: the cache's base address in the prefill, registered
 
 
 class RankMetadata(msgspec.Struct, frozen=True):
@@ -63,7 +64,7 @@ class RankMetadata(msgspec.Struct, frozen=True):
     endpoint: TransportEndpoint
     incarnation: str = ""  # fresh at every engine start; tickets name it
     cache: SharedCache | None = None  # where decodes may read our KV cache directly
-    host: str = ""  # `direct_reads.host_identity()`: a prefill reads it to allow direct reads
+    host: str = ""  # set where this rank reads peers' caches directly: `host_identity()`
 
 
 COMPAT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_size")

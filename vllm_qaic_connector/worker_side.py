@@ -22,9 +22,12 @@ from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
+    cache_endpoint,
     direct_problem,
     host_identity,
     owner_of,
+    plan_cache_reads,
+    register_kv_cache,
     share_kv_cache,
 )
 from vllm_qaic_connector.kv_groups import (
@@ -58,6 +61,7 @@ from vllm_qaic_connector.tickets import (
 )
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank, source_ranks
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
@@ -158,6 +162,7 @@ class WorkerSide:
         self.geometry = geometry
         self.layout: KVLayout | None = None
         self.layers: list[Views] = []
+        self._layer_tensors: list[torch.Tensor] = []  # physical, as vLLM registered them
         self.state: RecurrentState | None = None  # Mamba layers' state, if the model has any
         # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds
         # the state views (conv, SSM) its kernels use.
@@ -251,10 +256,7 @@ class WorkerSide:
                 self.geometry.block_size, self.geometry.head_size, self.geometry.dtype
             )
         self.layers = [self.layout.kv_views(t, self.geometry) for t in tensors]
-        shares = self.identity.produces and self.cfg.transport == "shm" and self.cfg.direct_reads
-        cache = None
-        if shares and self.state is None and len(self.groups) <= 1:
-            cache = share_kv_cache(tensors)
+        self._layer_tensors = tensors
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
         # A shm load maps the prefill's segment: an engine that only loads needs none.
         only_loads = self.cfg.transport == "shm" and not self.identity.produces
@@ -262,6 +264,11 @@ class WorkerSide:
         self.transport = create_transport(
             self.cfg.transport, name, staging, self.cfg.load_timeout_s
         )
+        cache, direct = None, self.cfg.direct_reads and self.state is None and len(self.groups) <= 1
+        if direct and self.cfg.transport == "nixl":  # READs come from it or land in it
+            cache = register_kv_cache(tensors, self.transport)
+        elif direct and self.identity.produces:
+            cache = share_kv_cache(tensors)
         self._headers = RegionHeaders(self.transport.staging)
         model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
@@ -286,8 +293,8 @@ class WorkerSide:
             ),
             endpoint=self.transport.endpoint(),
             incarnation=self.incarnation,
-            cache=cache,
-            host=host_identity(),
+            cache=cache if self.identity.produces else None,
+            host=host_identity() if direct else "",
         )
         self.peers.ours = self.rank_meta
         logger.info(
@@ -549,44 +556,63 @@ class WorkerSide:
     def _load_direct(
         self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate
     ) -> LoadResult:
-        """Copies the prompt's blocks out of the prefill rank's shared KV cache, inside a
-        check of the ticket's header-only region."""
-        remote = spec.remote
-        assert remote is not None and self.transport is not None
+        """Copies the prompt's blocks out of the prefill rank's KV cache (mapped shm, or
+        NIXL READs into our blocks), inside a check of the ticket's header-only region."""
+        remote, transport = spec.remote, self.transport
+        assert remote is not None and transport is not None
         assert self.layout is not None and self.rank_meta is not None
         src = ranks[self.tp_rank] if len(ranks) == self.tp_size else None
         problem = direct_problem(src, self.rank_meta, len(ranks)) if src else "TP sizes differ"
         if problem is None and remote.staged_block_size != self.geometry.block_size:
             problem = "the ticket's block size is not ours"
-        if problem is not None or src is None:
+        t0, bs = time.monotonic(), self.geometry.block_size
+        first, end, ours = spec.start(0), spec.end, spec.block_ids[0]
+        if problem is None and first % bs and transport.kind == "nixl":
+            problem = "the first token to load is inside a block"  # READs move whole blocks
+        if problem is not None or src is None or src.cache is None:
             raise ConnectionError(f"cannot read the prefill's KV cache directly: {problem}")
         if max(remote.block_ids) >= src.num_blocks:
             raise ValueError(f"block_ids beyond the prefill's {src.num_blocks} blocks")
-        t0, bs = time.monotonic(), self.geometry.block_size
-        first, end, ours = spec.start(0), spec.end, spec.block_ids[0]
-        assert src.cache is not None  # direct_problem checked it
-        src_layers = self._direct.layers(owner_of(src), src.cache, self.layout, self.geometry)
+        lo, hi = first // bs, blocks_for_tokens(end, bs)
+        notify = ack_message(
+            remote.remote_request_id, self.tp_rank, self.tp_size, self.tp_rank, self._key
+        )
+        notifies = transport.delivers_notifications
+        reads = 2  # the header, before and after
         with (
-            checked_region(self.transport, src.endpoint, remote.staging_offset, remote.generation),
+            checked_region(
+                transport, src.endpoint, remote.staging_offset, remote.generation,
+                notify if notifies else None,
+            ),
             gate.writing(),
-        ):
-            if first % bs:  # the first block is partly ours already
+        ):  # fmt: skip
+            if isinstance(transport, NixlTransport):
+                pairs = list(zip(remote.block_ids[lo:hi], ours[lo:hi], strict=True))
+                runs = plan_cache_reads(src.cache, self.layout, self._layer_tensors, pairs)
+                copied, reads = transport.read_into(cache_endpoint(src), runs), reads + len(runs)
+            elif first % bs:  # the first block is partly ours already
+                src_layers = self._direct.layers(
+                    owner_of(src), src.cache, self.layout, self.geometry
+                )
                 copied = sum(
                     copy_tokens(s, remote.block_ids, d, ours, first, end)
                     for s, d in zip(src_layers, self.layers, strict=True)
                 )
             else:
-                lo, hi = first // bs, blocks_for_tokens(end, bs)
+                src_layers = self._direct.layers(
+                    owner_of(src), src.cache, self.layout, self.geometry
+                )
                 copied = self._direct.copy(
                     src_layers, remote.block_ids[lo:hi], self.layers, ours[lo:hi]
                 )
             if self.cfg.debug_corrupt_loaded_kv:
                 for dst in self.layers:
                     self._corrupt(dst, spec, 0)
-        self._releaser.submit(self._release_remote, spec)
+        if not notifies:
+            self._releaser.submit(self._release_remote, spec)
         return LoadResult(
             spec.request_id, frozenset(), end - spec.first_token, copied,
-            ranks[0].engine_id, time.monotonic() - t0, 2, direct=True,
+            ranks[0].engine_id, time.monotonic() - t0, reads, direct=True,
         )  # fmt: skip
 
     def _corrupt(self, dst: Views, spec: LoadSpec, group: int) -> None:
