@@ -191,13 +191,12 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     try:
         cache = register_kv_cache(prefill_layers, prefill)
         assert cache is not None and register_kv_cache(decode_layers, decode) is not None
-        rank = rank_meta(engine_id="p", incarnation=inc, cache=cache, endpoint=prefill.endpoint())
         runs = plan_cache_reads(
             cache, layout, decode_layers, list(zip(src_blocks, dst_blocks, strict=True))
         )
         # 6 runs of blocks adjacent on both sides, per plane (K and V; one: vllm_cpu) and layer
         assert len(runs) == 6 * (1 if kind == "vllm_cpu" else 2) * LAYERS
-        decode.read_into(cache_endpoint(rank), runs)
+        decode.read_into(cache_endpoint(prefill.endpoint(), cache), runs)
     finally:
         decode.close()
         prefill.close()

@@ -236,9 +236,11 @@ def check_happy_path(c: Cluster) -> None:
     assert verdicts == ["correct"] * 8, [a.brief() for a in answers if a.verdict != "correct"]
     assert loaded >= 4, f"only {loaded:.0f} of 8 handoffs loaded KV (the rest recomputed)"
     # Issue #13 metrics: one load and one save time per handoff, two reads per source rank.
-    assert timed == loaded and reads == 2 * loaded and saves >= 8
-    # Same format on one host: over shm every load reads the prefill's cache, no staging.
-    assert direct == (loaded if c.transport == "shm" else 0)
+    assert timed == loaded and saves >= 8
+    # Same format: every load reads the prefill's KV cache, nothing staged. Reads: the
+    # ticket's header twice, and over NIXL one READ descriptor per run of blocks.
+    assert direct == loaded
+    assert reads == 2 * loaded if c.transport == "shm" else reads >= 3 * loaded
     assert c.decode.metric(HANDSHAKES, 0.0) >= 1
 
 

@@ -34,7 +34,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from vllm_qaic_connector.direct_reads import DirectReader, share_kv_cache
+from vllm_qaic_connector.direct_reads import (
+    DirectReader,
+    cache_endpoint,
+    plan_cache_reads,
+    register_kv_cache,
+    share_kv_cache,
+)
 from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
@@ -53,6 +59,7 @@ from vllm_qaic_connector.tickets import (
     new_incarnation,
 )
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 
 KV = tuple[torch.Tensor, torch.Tensor]
 Cache = tuple[list[KV], list[int]]  # canonical views of each layer, the request's block ids
@@ -79,8 +86,10 @@ PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefi
     "shm-staged": Path("shm staged (HND 16)", "shm", HND16, HND16, HND16),
     "shm-reblock": Path("shm re-block+permute", "shm", NHD64, HND16, HND16),
     "shm-cpu-slot": Path("shm vllm_cpu→qaic slot", "shm", CPU128, CPU128, SLOT),
-    "nixl": Path("nixl same layout", "nixl", HND16, HND16, HND16),
-    "nixl-staged": Path("nixl staged", "nixl", NHD64, NHD64, HND16),
+    "nixl": Path("nixl direct (HND 16)", "nixl", HND16, HND16, HND16, direct=True),
+    "nixl-128": Path("nixl direct (CPU 128)", "nixl", CPU128, CPU128, CPU128, direct=True),
+    "nixl-staged": Path("nixl staged (HND 16)", "nixl", HND16, HND16, HND16),
+    "nixl-convert": Path("nixl staged, converted", "nixl", NHD64, NHD64, HND16),
     "slot-write": Path("qaic slot write", "shm", CPU128, SLOT, SLOT),
     "nixl-slot": Path("nixl→qaic slot", "nixl", CPU128, SLOT, SLOT, pull=True),
 }
@@ -199,28 +208,46 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
 
 
 def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
-    """The prefill's cache moved into shm; the ticket is a header-only staging region."""
+    """The prefill's cache moved into shm or registered with NIXL, and the decode's too;
+    the ticket is a header-only staging region."""
     gen = torch.Generator().manual_seed(n)
     geo, layout = shape.geo(path.prefill, n), get_layout(path.prefill[0])
     prefill_layers, src_blocks = layers_of(shape, path.prefill, n, gen, fill=True)
-    cache = share_kv_cache(prefill_layers)
-    assert cache is not None
-    dst = kv_cache(shape, path.decode, n, gen, fill=False)
-    owner, reader = transports("shm", HEADER_BYTES, stack)
-    peer, headers, direct = owner.endpoint(), RegionHeaders(owner.staging), DirectReader()
-    stack.callback(direct.close)
-    mapped = direct.layers("bench/0", cache, layout, geo)
+    decode_layers, dst_blocks = layers_of(shape, path.decode, n, gen, fill=False)
+    dst = [layout.kv_views(t, geo) for t in decode_layers]
+    owner, reader = transports(path.transport, HEADER_BYTES, stack)
+    headers = RegionHeaders(owner.staging)
+    if isinstance(reader, NixlTransport):
+        cache = register_kv_cache(prefill_layers, owner)
+        assert cache is not None and register_kv_cache(decode_layers, reader)
+        region = cache_endpoint(owner.endpoint(), cache)  # its metadata covers the cache
+
+        def move() -> None:
+            pairs = list(zip(src_blocks, dst_blocks, strict=True))
+            reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, pairs))
+
+    else:
+        shared, direct = share_kv_cache(prefill_layers), DirectReader()
+        assert shared is not None
+        stack.callback(direct.close)
+        mapped = direct.layers("bench/0", shared, layout, geo)
+
+        def move() -> None:
+            direct.copy(mapped, src_blocks, dst, dst_blocks)
+
+    peer, notify = owner.endpoint(), b"ack" if reader.delivers_notifications else None
 
     def save() -> None:
+        owner.poll_notifications()
         with headers.writing(0, HEADER_BYTES, GENERATION):
             pass
 
     def load() -> None:
-        with checked_region(reader, peer, 0, GENERATION):
-            direct.copy(mapped, src_blocks, dst[0], dst[1])
+        with checked_region(reader, peer, 0, GENERATION, notify):
+            move()
 
-    src = [layout.kv_views(t, geo) for t in prefill_layers]  # checked: not the mapping
-    return Case(save, load, (src, src_blocks), dst)
+    src = [layout.kv_views(t, geo) for t in prefill_layers]
+    return Case(save, load, (src, src_blocks), (dst, dst_blocks))
 
 
 def mismatches(src: Cache, dst: Cache, n: int) -> list[str]:

@@ -128,12 +128,10 @@ def plan_cache_reads(
     return runs
 
 
-def cache_endpoint(rank: RankMetadata) -> TransportEndpoint:
-    """A NIXL prefill rank's KV cache as a region to read, like its staging."""
-    assert rank.cache is not None
-    agent = rank.endpoint.address.rpartition("@")[0]
-    address = f"{agent}@{rank.cache.address:#x}"
-    return TransportEndpoint("nixl", address, rank.cache.size, rank.endpoint.agent_metadata)
+def cache_endpoint(staging: TransportEndpoint, cache: SharedCache) -> TransportEndpoint:
+    """A NIXL prefill rank's KV cache as a region to read, like its ``staging``."""
+    address = f"{staging.address.rpartition('@')[0]}@{cache.address:#x}"
+    return TransportEndpoint("nixl", address, cache.size, staging.agent_metadata)
 
 
 def owner_of(rank: RankMetadata) -> str:

@@ -589,7 +589,10 @@ class WorkerSide:
             if isinstance(transport, NixlTransport):
                 pairs = list(zip(remote.block_ids[lo:hi], ours[lo:hi], strict=True))
                 runs = plan_cache_reads(src.cache, self.layout, self._layer_tensors, pairs)
-                copied, reads = transport.read_into(cache_endpoint(src), runs), reads + len(runs)
+                copied, reads = (
+                    transport.read_into(cache_endpoint(src.endpoint, src.cache), runs),
+                    reads + len(runs),
+                )
             elif first % bs:  # the first block is partly ours already
                 src_layers = self._direct.layers(
                     owner_of(src), src.cache, self.layout, self.geometry
