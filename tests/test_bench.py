@@ -91,9 +91,13 @@ def test_a_copy_that_drops_the_last_token_is_caught(
         s0, d0, n = runs[-1]
         return real_runs(src, dst, [*runs[:-1], *([(s0, d0, n - 1)] if n > 1 else [])])
 
-    real_runs = direct_reads.copy_block_runs
+    def short_plan(src, src_base, dst, dst_base, blocks, itemsize):  # NIXL's: no last block
+        return real_plan(src, src_base, dst, dst_base, blocks[:-1], itemsize)
+
+    real_runs, real_plan = direct_reads.copy_block_runs, direct_reads.plan_block_reads
     monkeypatch.setattr(bench, "copy_tokens", short)
     monkeypatch.setattr(direct_reads, "copy_block_runs", short_runs)
+    monkeypatch.setattr(direct_reads, "plan_block_reads", short_plan)
     shape = bench.Shape(LAYERS, HEADS, HEAD_DIM, torch.float16)
     with pytest.raises(bench.Mismatch, match=f"{2 * LAYERS} of {2 * LAYERS} planes differ"):
         bench.measure(bench.PATHS[key], shape, 70, 1, corrupt=False)

@@ -159,6 +159,8 @@ class NixlTransport(KVTransport):
         +nbytes)`` lands at local address ``run.dst``, which must lie in a registered
         destination. No receive buffer, no copy. Returns the bytes read."""
         agent, base = self._check_peer(peer)
+        if not runs:
+            return 0  # nixl cannot post a transfer of no descriptors
         with self._lock:
             self._check_open()
             starts = sorted(self._destinations)
