@@ -145,15 +145,16 @@ time.sleep(300)
     reader.close()
 
 
-def test_direct_reads_need_one_format_one_tp_and_one_host():
-    cache = SharedCache(
-        size=1,
-        shape=(1,),
-        strides=(1,),
-        layer_offsets=(0,),
-        path="/proc/1/fd/3",
+def a_shm_cache() -> SharedCache:
+    """What a prefill on this host advertises (its path is never opened here)."""
+    return SharedCache(
+        size=1, shape=(1,), strides=(1,), layer_offsets=(0,), path="/proc/1/fd/3",
         host=host_identity(),
-    )
+    )  # fmt: skip
+
+
+def test_direct_reads_need_one_format_one_tp_and_one_host():
+    cache = a_shm_cache()
     prefill = rank_meta(cache=cache)
     decode = rank_meta(engine_id="dec", host=host_identity())
     assert direct_problem(prefill, decode, 1) is None
@@ -216,14 +217,7 @@ def direct_pair():
     decode = make_scheduler("kv_consumer", BS, engine_id="dec")
     decode.connector.scheduler.set_rank_metadata([rank_meta(engine_id="dec", host=host_identity())])
     prefill = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
-    cache = SharedCache(
-        size=1,
-        shape=(1,),
-        strides=(1,),
-        layer_offsets=(0,),
-        path="/proc/1/fd/3",
-        host=host_identity(),
-    )
+    cache = a_shm_cache()
     prefill.connector.scheduler.set_rank_metadata([rank_meta(cache=cache)])
     yield prefill, decode.connector.scheduler._server.port
     prefill.connector.shutdown()
