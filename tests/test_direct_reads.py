@@ -3,6 +3,7 @@ and the scheduler holding a direct handoff's blocks until its ticket is gone."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from tests.ranks import rank_meta
 from tests.test_scheduler_side import free_blocks, meta, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
-from vllm_qaic_connector import side_channel
+from vllm_qaic_connector import direct_reads, side_channel
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     PeerCache,
@@ -95,6 +96,16 @@ torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), 
         want_k, want_v = gather_tokens(layout.kv_views(t, GEO), src_blocks, TOKENS)
         assert torch.equal(k, want_k) and torch.equal(v, want_v)
     assert nbytes == LAYERS * 10 * GEO.bytes_per_block
+
+
+def test_a_cache_that_would_not_fit_twice_in_dev_shm_stays_put(monkeypatch, caplog):
+    """Past its size a tmpfs answers a write with SIGBUS: too little room means staging."""
+    raw, layers = vllm_like_cache("vllm_cpu")
+    room = os.statvfs("/dev/shm")
+    small = os.statvfs_result((*room[:4], raw.numel() // room.f_frsize, *room[5:]))
+    monkeypatch.setattr(direct_reads.os, "statvfs", lambda path: small)
+    assert share_kv_cache(layers) is None
+    assert not raw.untyped_storage().is_shared() and "stage instead" in caplog.text
 
 
 def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():

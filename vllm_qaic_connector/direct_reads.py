@@ -12,6 +12,7 @@ so a late copy is a load error, never wrong KV.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -35,8 +36,10 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.transports.shm import SHM_DIR
 from vllm_qaic_connector.wire import RankMetadata, SharedCache, TransportEndpoint
 
+logger = logging.getLogger(f"vllm.{__name__}")  # in vLLM's logger tree, without importing it
 Views = tuple[torch.Tensor, torch.Tensor]
 FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
 
@@ -76,6 +79,13 @@ def share_kv_cache(layers: Sequence[torch.Tensor]) -> SharedCache | None:
     """Moves the storage behind ``layers`` into shared memory, in place (see `backing`)."""
     whole = backing(layers)
     if whole is None:
+        return None
+    shm = os.statvfs(SHM_DIR)
+    if shm.f_bavail * shm.f_frsize < 2 * whole.numel():  # tmpfs past its size: SIGBUS
+        logger.warning(
+            "QAICConnector: %s has room for less than twice the KV cache (%d MiB); "
+            "handoffs stage instead of reading the cache directly", SHM_DIR, whole.numel() >> 20,
+        )  # fmt: skip
         return None
     # torch.multiprocessing's own move: a new unlinked shm object, the bytes copied over,
     # then the storage's data pointer replaced. It dies with the last process mapping it.
