@@ -296,3 +296,15 @@ def test_a_decode_on_another_host_gets_staged_kv(direct_pair):
         assert not spec.direct and not params.get("block_ids")
     finally:
         server.close()
+
+
+def test_past_half_the_kv_cache_held_for_decodes_requests_stage(direct_pair):
+    """Held blocks shrink the prefill's cache (64 blocks here): direct handoffs stop at 32
+    blocks held, and the next request stages, so no backlog of slow decodes starves it."""
+    prefill, port = direct_pair
+    kinds = []
+    for i in range(8):
+        spec, _ = run_until_saved(prefill, f"h{i}", port)
+        step(prefill)  # finished: its blocks are held if it went direct
+        kinds.append(spec.direct)
+    assert kinds == [True] * 6 + [False] * 2  # 6 x 5 blocks held; a 7th would pass 32
