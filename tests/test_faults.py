@@ -244,11 +244,15 @@ def check_happy_path(c: Cluster) -> None:
     assert c.decode.metric(HANDSHAKES, 0.0) >= 1
 
 
-def check_stale_ticket(c: Cluster) -> None:
-    """Issue row 1: a ticket whose lease expired and whose pages were reused."""
+def check_stale_ticket(c: Cluster, direct: bool = False) -> None:
+    """Issue row 1: a ticket whose lease expired and whose pages were reused. ``direct``:
+    the prefill is told the decode (same format), so the tickets name its held KV blocks,
+    which the expiry gives back to vLLM."""
     c.ensure(c.prefill, c.decode, c.decode_fail)
     (pa, aa), (pz, az), *others = c.prompts(8, tokens=300)
-    params_a, params_z = stage(c.prefill.url, pa), stage(c.prefill.url, pz)
+    decode_kv = c.decode.side_channel if direct else None
+    params_a, params_z = (stage(c.prefill.url, p, decode_kv) for p in (pa, pz))
+    assert bool(params_a.get("block_ids")) == direct, params_a
     time.sleep(LEASE_S + 1.5)
     # Z first, while the prefill is idle: it has not stepped since the lease ran out, so
     # Z's region still holds Z's bytes. The read must be refused all the same (the decode
@@ -262,7 +266,7 @@ def check_stale_ticket(c: Cluster) -> None:
     # At least two more, until one lands on A's offset (a prefill that expires leases only
     # after allocating gives the first of them fresh pages).
     for i, (p, _) in enumerate(others):
-        offset = stage(c.prefill.url, p).get("staging_offset")
+        offset = stage(c.prefill.url, p, decode_kv).get("staging_offset")
         reused = reused or (offset is not None and offset == params_a.get("staging_offset"))
         if reused and i >= 1:
             break
@@ -272,7 +276,7 @@ def check_stale_ticket(c: Cluster) -> None:
     failures = c.decode.metric(LOAD_FAILURES, 0.0) - failures0
     expiries = c.prefill.metric(EXPIRIES, 0.0)
     say(
-        f"a stale ticket {c.transport}",
+        f"a stale {'direct ' if direct else ''}ticket {c.transport}",
         idle_prefill=f"fail:{idle_fail.verdict}/{idle_fail.status} "
         f"recompute:{idle_recompute.verdict} load_failures={idle_failures:.0f}",
         outcome=ans.verdict,
@@ -434,6 +438,9 @@ class TestShm:
 
     def test_a_stale_ticket(self, shm_cluster: Cluster) -> None:
         check_stale_ticket(shm_cluster)
+
+    def test_a_stale_direct_ticket(self, shm_cluster: Cluster) -> None:
+        check_stale_ticket(shm_cluster, direct=True)
 
     def test_b_prompt_mismatch(self, shm_cluster: Cluster) -> None:
         """Row 2: KV staged for one prompt is never used for another."""
@@ -728,6 +735,9 @@ class TestNixl:
 
     def test_a_stale_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster)
+
+    def test_a_stale_direct_ticket(self, nixl_cluster: Cluster) -> None:
+        check_stale_ticket(nixl_cluster, direct=True)
 
     def test_g_forged_ticket(self, nixl_cluster: Cluster) -> None:
         check_forged_ticket(nixl_cluster)
