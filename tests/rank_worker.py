@@ -44,12 +44,10 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
     )
     kind = get_layout(args["layout"])
     gen = torch.Generator().manual_seed(seed)
-    caches = {
-        f"model.layers.{i}.self_attn.attn": torch.randn(
-            kind.physical_shape(NUM_BLOCKS, geo), generator=gen
-        )
-        for i in range(LAYERS)
-    }
+    # One allocation viewed per layer, as vLLM allocates them (direct reads need that).
+    shape = (LAYERS, *kind.physical_shape(NUM_BLOCKS, geo))
+    backing = torch.randn(shape, generator=gen)
+    caches = {f"model.layers.{i}.self_attn.attn": backing[i] for i in range(LAYERS)}
     w.register_kv_caches(caches, layout=kind)
     return w
 

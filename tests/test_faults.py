@@ -175,9 +175,11 @@ def start_cluster(label: str, transport: str, keyed: bool) -> Cluster:
             chat = ["--chat-template", proxy_clients.CHAT_TEMPLATE]  # the model has none
             return run.vllm(name, core, kv, extra_args=chat, extra_env=env)
 
-        prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S)
-        decode = start("decode", "1", "kv_consumer", "d", "recompute", **d_extra)
-        decode_fail = start("decodefail", "1", "kv_consumer", "f", "fail", **d_extra)
+        # Over NIXL direct reads are opt-in (they expose the KV cache to keyed peers).
+        direct = {"nixl_direct_reads": True} if transport == "nixl" else {}
+        prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S, **direct)
+        decode = start("decode", "1", "kv_consumer", "d", "recompute", **d_extra, **direct)
+        decode_fail = start("decodefail", "1", "kv_consumer", "f", "fail", **d_extra, **direct)
         proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
         ready = wait_all_ready(prefill, decode, decode_fail, proxy, retries=1)
         say(f"{transport} servers", ready_after_s=ready, total_s=round(time.monotonic() - t0, 1))

@@ -344,23 +344,32 @@ def test_check_ranks_names_unsafe_engine_ids_incarnations_and_nixl_agents(twins)
     assert check_ranks([_with_address(me, f"{own}@0x1000", "nixl")]) is None
 
 
-def test_nixl_worker_registers_only_its_staging_never_the_kv_caches():
-    """Issue #10.3: nothing reads the KV caches remotely, so they are not NIXL memory; a
-    peer's handshake reply (the agent metadata) reaches the staging pool and nothing else."""
+@pytest.mark.parametrize("nixl_direct_reads", [False, True])
+def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_reads):
+    """Issue #10.3: by default nothing reads the KV caches remotely, so they are not NIXL
+    memory; a peer's handshake reply (the agent metadata) reaches the staging pool and
+    nothing else. ``nixl_direct_reads`` opts in: then the one allocation behind every
+    layer is registered too, and the handshake says so."""
     pytest.importorskip("nixl")
     args = {"engine": f"reg{os.getpid()}", "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
-    extra = {"transport": "nixl", "staging_bytes": 1 << 20}
+    extra = {"transport": "nixl", "staging_bytes": 1 << 20, "nixl_direct_reads": nixl_direct_reads}
     w = make_worker({**args, "layout": "cuda_nhd", "extra": extra}, 0)
     try:
         transport = w.transport
         staging = transport.staging
         # (address, length, device id, meta) per registered range
         registered = [reg[i][:2] for reg in transport._regs for i in range(reg.descCount())]
-        caches = [t for kv in w.layers for t in kv]
-        assert registered == [(staging.data_ptr(), staging.numel())], registered
-        for t in caches:
-            lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-            assert not any(s < hi and lo < s + n for s, n in registered), "a KV cache is exposed"
+        storage = w.layers[0][0].untyped_storage()
+        cache = (storage.data_ptr(), storage.nbytes())
+        expected = [(staging.data_ptr(), staging.numel())] + [cache] * nixl_direct_reads
+        assert registered == expected, registered
+        assert (w.rank_meta.cache is not None) == nixl_direct_reads
+        if not nixl_direct_reads:
+            for t in (t for kv in w.layers for t in kv):
+                lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+                assert not any(s < hi and lo < s + n for s, n in registered), (
+                    "a KV cache is exposed"
+                )
     finally:
         w.shutdown()
 

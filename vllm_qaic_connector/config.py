@@ -34,9 +34,12 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     verify_cpu_layout: bool = True
     # Saves on a worker thread, off the engine's step; their blocks are held until done.
     async_saves: bool = True
-    # Same layout, block size and TP on one host (shm): the decode copies the prompt's blocks
-    # out of the prefill's KV cache, which lives in shared memory; no staging copy.
+    # Same layout, block size and TP: the decode copies the prompt's blocks out of the
+    # prefill's KV cache, no staging copy. Over shm (one host, one user) on by default; over
+    # NIXL it registers the whole KV cache with the agent, so any peer that completes a
+    # handshake can READ any block: opt in where every peer is trusted (set a key).
     direct_reads: bool = True
+    nixl_direct_reads: bool = False
     kv_cache_prefix: str | None = None
     debug_corrupt_loaded_kv: bool = False
 

@@ -409,9 +409,7 @@ class SchedulerSide:
             return own
         if len(found) != len(self._ranks):
             return own  # head shards differ: the decode regroups heads on receive
-        direct = self.cfg.direct_reads and not direct_problem(
-            self._ranks[0], found[0], len(self._ranks)
-        )
+        direct = not direct_problem(self._ranks[0], found[0], len(self._ranks))
         return StagingTarget(found[0].layout_kind, found[0].block_size, direct)
 
     def _staging_format(

@@ -264,11 +264,13 @@ class WorkerSide:
         self.transport = create_transport(
             self.cfg.transport, name, staging, self.cfg.load_timeout_s
         )
-        cache, direct = None, self.cfg.direct_reads and self.state is None and len(self.groups) <= 1
-        if direct and self.cfg.transport == "nixl":  # READs come from it or land in it
-            cache = register_kv_cache(tensors, self.transport)
-        elif direct and self.identity.produces:
-            cache = share_kv_cache(tensors)
+        one_group = self.state is None and len(self.groups) <= 1
+        if self.cfg.transport == "nixl":  # peers' READs come from the cache or land in it
+            direct = one_group and self.cfg.nixl_direct_reads
+            cache = register_kv_cache(tensors, self.transport) if direct else None
+        else:
+            direct = one_group and self.cfg.direct_reads
+            cache = share_kv_cache(tensors) if direct and self.identity.produces else None
         self._headers = RegionHeaders(self.transport.staging)
         model = self.identity.model
         dtype = str(self.geometry.dtype).removeprefix("torch.")
