@@ -21,7 +21,6 @@ from vllm_qaic_connector.direct_reads import (
     DirectReader,
     PeerCache,
     cache_endpoint,
-    direct_problem,
     host_identity,
     plan_cache_reads,
     register_kv_cache,
@@ -37,6 +36,7 @@ from vllm_qaic_connector.wire import (
     ReleaseRequest,
     SharedCache,
     TransportEndpoint,
+    direct_problem,
 )
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)

@@ -104,23 +104,6 @@ def register_kv_cache(layers: Sequence[torch.Tensor], transport: KVTransport) ->
     return _described(layers, whole.numel(), address=whole.data_ptr())
 
 
-def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int) -> str | None:
-    """Why ``decode`` cannot read ``prefill``'s cache directly, or None."""
-    if prefill.cache is None:
-        return "the prefill does not share its KV cache"
-    if not decode.host:
-        return "the decode does not read caches directly"
-    if (prefill.layout_kind, prefill.block_size) != (decode.layout_kind, decode.block_size):
-        return "layouts or block sizes differ"
-    if prefill_tp != decode.tp_size:
-        return "TP sizes differ"
-    if prefill.endpoint.kind != decode.endpoint.kind:
-        return "transports differ"
-    if prefill.cache.path and prefill.cache.host != decode.host:
-        return "not the same host, PID namespace and user"
-    return None
-
-
 def plan_cache_reads(
     cache: SharedCache,
     layout: KVLayout,

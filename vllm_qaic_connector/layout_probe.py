@@ -1,4 +1,5 @@
-"""Checks `VllmCpuLayout` against the installed vLLM's own cache-write op.
+"""Which physical layout a registered KV cache has, and a check of `VllmCpuLayout` against
+the installed vLLM's own cache-write op.
 
 The CPU backend's packing depends on the ISA kernel vLLM picks, so we refuse to move KV
 in a layout we could not confirm on this machine.
@@ -6,9 +7,17 @@ in a layout we could not confirm on this machine.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from vllm_qaic_connector.layout import KVGeometry, VllmCpuLayout, gather_tokens
+from vllm_qaic_connector.layout import (
+    KVGeometry,
+    KVLayout,
+    VllmCpuLayout,
+    gather_tokens,
+    get_layout,
+)
 
 
 def write_with_vllm_op(
@@ -46,3 +55,26 @@ def verify_vllm_cpu_layout(block_size: int, head_size: int, dtype: torch.dtype) 
             "not match the layout this connector knows; refusing to transfer KV. Set "
             "verify_cpu_layout=false only if you have checked the layout yourself."
         )
+
+
+def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
+    """Names the physical layout of a registered KV cache tensor; refuses to guess."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return get_layout("vllm_cpu")
+    shape = tuple(tensor.shape)
+    matches = [
+        layout
+        for layout in (get_layout("cuda_nhd"), get_layout("cuda_hnd"))
+        if layout.physical_shape(shape[1] if len(shape) > 1 else 0, geo) == shape
+    ]
+    hint = os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper()
+    if len(matches) == 2 and hint in ("NHD", "HND"):
+        matches = [get_layout("cuda_" + hint.lower())]
+    if len(matches) != 1:
+        raise RuntimeError(
+            f"cannot tell the layout of a KV cache shaped {shape} (block {geo.block_size}, "
+            f"{geo.num_heads} heads); set VLLM_KV_CACHE_LAYOUT=NHD or HND"
+        )
+    return matches[0]

@@ -15,7 +15,6 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
-from vllm_qaic_connector.direct_reads import direct_problem
 from vllm_qaic_connector.kv_groups import (
     attention_spec,
     groups_of,
@@ -50,6 +49,7 @@ from vllm_qaic_connector.wire import (
     RemotePrefill,
     Renewed,
     RenewRequest,
+    direct_problem,
     parse_remote_prefill,
     ticket_mac,
     ticket_problem,

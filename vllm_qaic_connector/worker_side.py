@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,7 +22,6 @@ from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     cache_endpoint,
-    direct_problem,
     host_identity,
     owner_of,
     plan_cache_reads,
@@ -44,8 +42,8 @@ from vllm_qaic_connector.layout import (
     StagingFormat,
     blocks_for_tokens,
     copy_tokens,
-    get_layout,
 )
+from vllm_qaic_connector.layout_probe import detect_layout
 from vllm_qaic_connector.loader import Loader, WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
@@ -68,6 +66,7 @@ from vllm_qaic_connector.wire import (
     RemotePrefill,
     ack_message,
     compat_hash,
+    direct_problem,
     parse_ack,
 )
 
@@ -107,29 +106,6 @@ class LoadResult:
     seconds: float = 0.0  # from the load's start to its KV in our blocks
     reads: int = 0  # transport reads (NIXL descriptors), ticket headers included
     direct: bool = False  # copied out of the prefill's KV cache, not out of staging
-
-
-def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
-    """Names the physical layout of a registered KV cache tensor; refuses to guess."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return get_layout("vllm_cpu")
-    shape = tuple(tensor.shape)
-    matches = [
-        layout
-        for layout in (get_layout("cuda_nhd"), get_layout("cuda_hnd"))
-        if layout.physical_shape(shape[1] if len(shape) > 1 else 0, geo) == shape
-    ]
-    hint = os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper()
-    if len(matches) == 2 and hint in ("NHD", "HND"):
-        matches = [get_layout("cuda_" + hint.lower())]
-    if len(matches) != 1:
-        raise RuntimeError(
-            f"cannot tell the layout of a KV cache shaped {shape} (block {geo.block_size}, "
-            f"{geo.num_heads} heads); set VLLM_KV_CACHE_LAYOUT=NHD or HND"
-        )
-    return matches[0]
 
 
 @dataclass(frozen=True)
@@ -595,20 +571,17 @@ class WorkerSide:
                     transport.read_into(cache_endpoint(src.endpoint, src.cache), runs),
                     reads + len(runs),
                 )
-            elif first % bs:  # the first block is partly ours already
-                src_layers = self._direct.layers(
-                    owner_of(src), src.cache, self.layout, self.geometry
-                )
-                copied = sum(
-                    copy_tokens(s, remote.block_ids, d, ours, first, end)
-                    for s, d in zip(src_layers, self.layers, strict=True)
-                )
             else:
-                src_layers = self._direct.layers(
-                    owner_of(src), src.cache, self.layout, self.geometry
-                )
-                copied = self._direct.copy(
-                    src_layers, remote.block_ids[lo:hi], self.layers, ours[lo:hi]
+                mapped = self._direct.layers(owner_of(src), src.cache, self.layout, self.geometry)
+                copied = (
+                    sum(  # the first block is partly ours already
+                        copy_tokens(s, remote.block_ids, d, ours, first, end)
+                        for s, d in zip(mapped, self.layers, strict=True)
+                    )
+                    if first % bs
+                    else self._direct.copy(
+                        mapped, remote.block_ids[lo:hi], self.layers, ours[lo:hi]
+                    )
                 )
             if self.cfg.debug_corrupt_loaded_kv:
                 for dst in self.layers:
