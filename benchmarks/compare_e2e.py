@@ -23,6 +23,7 @@ import itertools
 import json
 import math
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -100,10 +101,13 @@ def cpu_seconds(servers: list[Server]) -> float:
 
 
 def start(
-    setup: str, run: LiveRun, extra: dict[str, Any] | None = None
+    setup: str,
+    run: LiveRun,
+    extra: dict[str, Any] | None = None,
+    prefill_args: tuple[str, ...] = (),
 ) -> tuple[str, str | None, list[Server]]:
     """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server);
-    ``extra``: this connector's extra config."""
+    ``extra``: this connector's extra config; ``prefill_args``: every prefill server's."""
     if setup == "aggregated":
         agg = run.vllm("aggregated", "0", None)
         wait_all_ready(agg, retries=1)
@@ -112,15 +116,24 @@ def start(
         kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         ports = [free_port(), free_port()]
         p, d = (
-            run.vllm(name, core, kv, extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
-            for name, core, port in (("prefill", "0", ports[0]), ("decode", "1", ports[1]))
+            run.vllm(
+                name,
+                core,
+                kv,
+                extra_args=args,
+                extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
+            )
+            for name, core, port, args in (
+                ("prefill", "0", ports[0], list(prefill_args)),
+                ("decode", "1", ports[1], []),
+            )
         )
         proxy = run.proxy([p.url], [d.url])
     else:
         transport = "nixl" if setup == "qaic-nixl" else "shm"
         decode_block = ["--block-size", "32"] if setup.endswith("128to32") else []
         p_kv = kv_config("kv_producer", run.engine_id("p"), 0, transport, **(extra or {}))
-        p = run.vllm("prefill", "0", p_kv)
+        p = run.vllm("prefill", "0", p_kv, extra_args=list(prefill_args))
         d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport, **(extra or {}))
         d = run.vllm("decode", "1", d_kv, extra_args=decode_block)
         proxy = run.proxy([p.url], [d.url], [d.side_channel])
@@ -192,6 +205,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "server's throughput at the highest concurrency. Closed loop, a setup that decodes\n"
         "faster gets its next requests sooner, so its TTFT is taken at a higher load.",
     )
+    p.add_argument(
+        "--prefill-args",
+        type=lambda s: tuple(shlex.split(s)),
+        default=(),
+        help='more vllm serve arguments for every prefill server, e.g. "--max-num-seqs 2"',
+    )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
@@ -221,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         with LiveRun(f"cmp{setup}") as run:
             extra = {"async_saves": False} if args.sync_saves else None
-            url, prefill_url, servers = start(setup, run, extra)
+            url, prefill_url, servers = start(setup, run, extra, args.prefill_args)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
             # Warm at the highest concurrency: a first batch of new shape is several times
             # slower on vLLM's CPU backend, and a P/D pair has two engines to warm.
