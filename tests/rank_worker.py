@@ -14,8 +14,9 @@ from vllm_qaic_connector.kv_groups import KVGroup
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
 from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.this_rank import RankIdentity
 from vllm_qaic_connector.tp_mapping import heads_of_rank
-from vllm_qaic_connector.worker_side import RankIdentity, WorkerSide
+from vllm_qaic_connector.worker_side import WorkerSide
 
 HEAD, LAYERS, NUM_BLOCKS = 32, 2, 24
 
@@ -62,7 +63,9 @@ def hybrid_groups(block: int, window: int) -> tuple[KVGroup, ...]:
 
 def by_group(w: WorkerSide, block_ids: tuple[list[int], ...], n: int) -> list[Any]:
     """Each layer's first ``n`` tokens, read through its own group's blocks."""
-    return plain([gather_tokens(kv, block_ids[w._group(i)], n) for i, kv in enumerate(w.layers)])
+    assert w.cache is not None
+    group = w.cache.group
+    return plain([gather_tokens(kv, block_ids[group(i)], n) for i, kv in enumerate(w.layers)])
 
 
 def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
