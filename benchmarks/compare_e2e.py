@@ -23,11 +23,13 @@ import itertools
 import json
 import math
 import random
+import re
 import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+import urllib.request
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,43 @@ class Row:
     stalls: int
     cpu_s_per_request: float
     errors: int
+    # Means from the answering engine's /metrics (a P/D setup's decode), see ENGINE_TIMES.
+    queued_ms: float = float("nan")
+    first_step_ms: float = float("nan")
+    kv_load_ms: float = float("nan")
+
+
+# The answering engine's own account of a request's first token: time queued (for a P/D
+# decode, the wait for its KV included), its first step, and this connector's load.
+ENGINE_TIMES = {
+    "queued_ms": "vllm:request_queue_time_seconds",
+    "first_step_ms": "vllm:request_prefill_time_seconds",
+    "kv_load_ms": "vllm:qaic_kv_load_seconds",
+}
+Totals = dict[str, tuple[float, float]]
+
+
+def engine_totals(url: str) -> Totals:
+    """(sum, count) of each ENGINE_TIMES histogram on ``url``'s /metrics, all labels."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    totals = {}
+    for field, name in ENGINE_TIMES.items():
+        sums = [
+            sum(float(v) for v in re.findall(rf"^{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+            for part in ("sum", "count")
+        ]
+        totals[field] = (sums[0], sums[1])
+    return totals
+
+
+def with_engine_means(row: Row, before: Totals, after: Totals) -> Row:
+    """``row`` with the mean ms per request between two `engine_totals` (nan: none)."""
+    means = {}
+    for field, (s1, n1) in after.items():
+        s0, n0 = before[field]
+        means[field] = round((s1 - s0) / (n1 - n0) * 1e3, 2) if n1 > n0 else float("nan")
+    return replace(row, **means)  # type: ignore[arg-type]  # ENGINE_TIMES: Row's float fields
 
 
 async def send_all(
@@ -247,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(send_all(url, warm, max(args.concurrency), ANSWER_TOKENS))
             for conc, pairs in sets.items():
                 prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
-                cpu0, t1 = cpu_seconds(servers), time.monotonic()
+                answering = servers[1] if prefill_url else servers[0]  # a P/D's decode
+                totals, cpu0 = engine_totals(answering.url), cpu_seconds(servers)
+                t1 = time.monotonic()
                 per_s = 0.0 if conc else arrivals
                 samples = asyncio.run(send_all(url, prompts, conc, ANSWER_TOKENS, per_s))
                 cpu = cpu_seconds(servers) - cpu0
@@ -256,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     if conc == max(args.concurrency):
                         arrivals = round(len(prompts) / (time.monotonic() - t1), 2)
                 row = summarize(setup, conc, per_s, samples, ref.get(conc), answers, cpu)
+                row = with_engine_means(row, totals, engine_totals(answering.url))
                 rows.append(row)
                 print(f"[compare] {rows[-1]}", flush=True)
             if setup == "aggregated":
@@ -275,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if any(r.agreement < 1.0 or r.errors for r in ours) else 0
 
 
-def ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.0f}ms"
+def ms(value: float, digits: int = 0) -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}ms"
 
 
 def load(row: Row) -> str:
@@ -296,6 +338,12 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         print(f"{r.setup:<18}{load(r):>11}{r.ttft_p50_ms:>8.0f}ms{r.ttft_p95_ms:>7.0f}ms"
               f"{ms(r.prefill_p50_ms):>9}{r.tpot_ms:>6.1f}ms{r.agreement:>7.0%}{r.correct:>8.0%}"
               f"{r.stalls:>7}{r.cpu_s_per_request:>10.3f}{x_agg:>7.2f}{x_nixl:>8.2f}")  # fmt: skip
+    print("\nthe answering engine's first token (means from its /metrics; a P/D decode's "
+          "time queued includes the wait for its KV)")  # fmt: skip
+    print(f"{'setup':<18}{'load':>11}{'queued':>9}{'1st step':>9}{'KV load':>9}")
+    for r in rows:
+        print(f"{r.setup:<18}{load(r):>11}{ms(r.queued_ms, 1):>9}{ms(r.first_step_ms, 1):>9}"
+              f"{ms(r.kv_load_ms, 2):>9}")  # fmt: skip
     print("\ntargets (issue #13): TTFT p50 <= 2x aggregated, <= 0.5x NixlConnector, "
           "p95 <= 3x p50, 0 stalls")  # fmt: skip
     for r in rows:

@@ -1,13 +1,14 @@
 """The end-to-end comparison script (issue #13 item 3) in its short form, on real servers:
 aggregated vLLM and this connector with 128 -> 32 blocks (vLLM's NixlConnector only in the
 full run, `make compare`: CI time), closed loop and open loop. It must run through, write one
-JSON row per setup and load, report the proxy's prefill leg, and
-every answer of this connector must be the aggregated server's (the script exits 1
-otherwise). Times are printed, never asserted."""
+JSON row per setup and load, report the proxy's prefill leg and the answering engine's own
+times (from its /metrics), and every answer of this connector must be the aggregated
+server's (the script exits 1 otherwise). Times are printed, never asserted."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,9 @@ def test_compare_e2e_quick(tmp_path: Path) -> None:
         assert agg["correct"] == 1.0, agg
         # The proxy's Server-Timing: a prefill leg inside the time to first token.
         assert 0 < ours["prefill_p50_ms"] <= ours["ttft_p95_ms"], ours
+        # The answering engine's /metrics: the decode loaded through this connector.
+        assert ours["kv_load_ms"] > 0 and ours["queued_ms"] >= 0 < ours["first_step_ms"], ours
+        assert agg["queued_ms"] >= 0 < agg["first_step_ms"] and math.isnan(agg["kv_load_ms"])
     open_rates = {rows[s, 0]["arrivals_per_s"] for s in ("aggregated", "qaic-shm-128to32")}
     assert len(open_rates) == 1 and open_rates.pop() > 0, open_rates
     assert png.stat().st_size > 0
