@@ -23,17 +23,16 @@ import itertools
 import json
 import math
 import random
-import re
 import shlex
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.live_servers import (  # noqa: E402
@@ -44,6 +43,7 @@ from tests.live_servers import (  # noqa: E402
     copy_prompts,
     free_port,
     kv_config,
+    metric_samples,
     stream_completion,
     wait_all_ready,
 )
@@ -85,16 +85,12 @@ Totals = dict[str, tuple[float, float]]
 
 def engine_totals(url: str) -> Totals:
     """(sum, count) of each ENGINE_TIMES histogram on ``url``'s /metrics, all labels."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    totals = {}
-    for field, name in ENGINE_TIMES.items():
-        sums = [
-            sum(float(v) for v in re.findall(rf"^{name}_{part}(?:{{[^}}]*}})? (\S+)$", text, re.M))
-            for part in ("sum", "count")
-        ]
-        totals[field] = (sums[0], sums[1])
-    return totals
+    text = requests.get(f"{url}/metrics", timeout=10).text
+
+    def total(name: str) -> float:
+        return sum(v for _, v in metric_samples(text, name))
+
+    return {k: (total(f"{n}_sum"), total(f"{n}_count")) for k, n in ENGINE_TIMES.items()}
 
 
 def with_engine_means(row: Row, before: Totals, after: Totals) -> Row:
