@@ -59,6 +59,7 @@ class RequestLoads:
         self.cfg, self.identity, self.cache, self.ours = cfg, identity, cache, ours
         self.transport, self.peers, self.direct = transport, peers, direct
         self._tp = identity.tp_size, identity.tp_rank
+        self._key = cfg.shared_key  # read once: the property reads the key file each time
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
 
     def load(self, spec: LoadSpec, gate: WriteGate) -> LoadResult:
@@ -221,7 +222,7 @@ class RequestLoads:
     def _ack(self, remote_request_id: str, src_rank: int) -> bytes:
         """What tells source rank ``src_rank`` that this rank has read its part."""
         me = self.identity
-        return ack_message(remote_request_id, me.tp_rank, me.tp_size, src_rank, self.cfg.shared_key)
+        return ack_message(remote_request_id, me.tp_rank, me.tp_size, src_rank, self._key)
 
     def _loaded(
         self,
@@ -257,7 +258,7 @@ class RequestLoads:
                 spec.remote.remote_host,
                 spec.remote.remote_port,
                 ReleaseRequest([spec.remote.remote_request_id], tp_rank, tp_size),
-                self.cfg.shared_key,
+                self._key,
                 self.cfg.handshake_timeout_s,
             )
         except ConnectionError as exc:
