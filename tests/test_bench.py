@@ -87,17 +87,14 @@ def test_a_copy_that_drops_the_last_token_is_caught(
     def short(src, src_blocks, dst, dst_blocks, t0, t1, *rest):
         return real(src, src_blocks, dst, dst_blocks, t0, t1 - 1, *rest)
 
-    def short_runs(src, dst, runs):  # a direct path's copy, one token short: its last block
+    def short_ranges(src, src_base, dst, dst_base, runs, itemsize):  # direct: no last block
         s0, d0, n = runs[-1]
-        return real_runs(src, dst, [*runs[:-1], *([(s0, d0, n - 1)] if n > 1 else [])])
+        runs = [*runs[:-1], *([(s0, d0, n - 1)] if n > 1 else [])]
+        return real_ranges(src, src_base, dst, dst_base, runs, itemsize)
 
-    def short_plan(src, src_base, dst, dst_base, blocks, itemsize):  # NIXL's: no last block
-        return real_plan(src, src_base, dst, dst_base, blocks[:-1], itemsize)
-
-    real_runs, real_plan = direct_reads.copy_block_runs, direct_reads.plan_block_reads
+    real_ranges = direct_reads.block_ranges
     monkeypatch.setattr(bench, "copy_tokens", short)
-    monkeypatch.setattr(direct_reads, "copy_block_runs", short_runs)
-    monkeypatch.setattr(direct_reads, "plan_block_reads", short_plan)
+    monkeypatch.setattr(direct_reads, "block_ranges", short_ranges)
     shape = bench.Shape(LAYERS, HEADS, HEAD_DIM, torch.float16)
     with pytest.raises(bench.Mismatch, match=f"{2 * LAYERS} of {2 * LAYERS} planes differ"):
         bench.measure(bench.PATHS[key], shape, 70, 1, corrupt=False)

@@ -84,9 +84,10 @@ cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
 geo = KVGeometry(2, 32, 16, torch.float16)
 layout = get_layout({kind!r})
 reader = DirectReader()
-src = reader.layers("prefill/0", cache, layout, geo)
-dst = [layout.kv_views(layout.allocate({BLOCKS}, geo), geo) for _ in src]
-copied = reader.copy(src, {src_blocks}, dst, {dst_blocks})
+src = reader.peer("prefill/0", cache, layout, geo)
+ours = [layout.allocate({BLOCKS}, geo) for _ in src.layers]
+dst = [layout.kv_views(t, geo) for t in ours]
+copied = reader.copy(src, {src_blocks}, ours, {dst_blocks})
 torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), {str(out)!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
@@ -130,6 +131,22 @@ def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
         PeerCache(bigger, layout, GEO)
 
 
+def test_block_ids_outside_either_cache_are_refused():
+    """The copy goes by address: an id past either cache would read or write outside it."""
+    _, layers = vllm_like_cache("vllm_cpu")
+    cache = share_kv_cache(layers)
+    assert cache is not None
+    reader = DirectReader()
+    peer = reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
+    ours = [get_layout("vllm_cpu").allocate(4, GEO) for _ in layers]
+    with pytest.raises(ValueError, match=f"prefill block ids 0..{BLOCKS} outside 0..{BLOCKS - 1}"):
+        reader.copy(peer, [0, BLOCKS], ours, [0, 1])
+    with pytest.raises(ValueError, match="our block ids -1..1 outside 0..3"):
+        reader.copy(peer, [0, 1], ours, [1, -1])
+    assert not any(t.any() for t in ours)
+    reader.close()
+
+
 def test_the_cache_of_a_prefill_that_died_is_unmapped():
     """SIGKILL the process that shared its cache: the reader drops its mapping (which alone
     would keep the dead prefill's whole KV cache in memory) at its next step."""
@@ -145,7 +162,7 @@ time.sleep(300)
     reader = DirectReader()
     try:
         cache = msgspec.json.decode(proc.stdout.readline(), type=SharedCache)
-        reader.layers("p/0", cache, get_layout("vllm_cpu"), GEO)
+        reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
         reader.drop_dead()
         assert reader.owners == ["p/0"]  # alive: kept
     finally:
@@ -203,9 +220,7 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     try:
         cache = register_kv_cache(prefill_layers, prefill)
         assert cache is not None and register_kv_cache(decode_layers, decode) is not None
-        runs = plan_cache_reads(
-            cache, layout, decode_layers, list(zip(src_blocks, dst_blocks, strict=True))
-        )
+        runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
         # 6 runs of blocks adjacent on both sides, per plane (K and V; one: vllm_cpu) and layer
         assert len(runs) == 6 * (1 if kind == "vllm_cpu" else 2) * LAYERS
         decode.read_into(cache_endpoint(prefill.endpoint(), cache), runs)

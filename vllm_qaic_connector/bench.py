@@ -223,17 +223,17 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         region = cache_endpoint(owner.endpoint(), cache)  # its metadata covers the cache
 
         def move() -> None:
-            pairs = list(zip(src_blocks, dst_blocks, strict=True))
-            reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, pairs))
+            blocks = (src_blocks, dst_blocks)
+            reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, blocks))
 
     else:
         shared, direct = share_kv_cache(prefill_layers), DirectReader()
         assert shared is not None
         stack.callback(direct.close)
-        mapped = direct.layers("bench/0", shared, layout, geo)
+        mapped = direct.peer("bench/0", shared, layout, geo)
 
         def move() -> None:
-            direct.copy(mapped, src_blocks, dst, dst_blocks)
+            direct.copy(mapped, src_blocks, decode_layers, dst_blocks)
 
     peer, notify = owner.endpoint(), b"ack" if reader.delivers_notifications else None
 

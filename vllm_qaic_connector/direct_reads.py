@@ -21,8 +21,10 @@ import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_qaic_connector.layout import (
@@ -30,17 +32,16 @@ from vllm_qaic_connector.layout import (
     ByteRun,
     KVGeometry,
     KVLayout,
+    block_ranges,
     block_runs,
-    copy_block_runs,
-    plan_block_reads,
 )
+from vllm_qaic_connector.stream_copy import copy_ranges
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.transports.shm import SHM_DIR
 from vllm_qaic_connector.wire import RankMetadata, SharedCache, TransportEndpoint
 
 logger = logging.getLogger(f"vllm.{__name__}")  # in vLLM's logger tree, without importing it
-Views = tuple[torch.Tensor, torch.Tensor]
 FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
 
 
@@ -104,21 +105,54 @@ def register_kv_cache(layers: Sequence[torch.Tensor], transport: KVTransport) ->
     return _described(layers, whole.numel(), address=whole.data_ptr())
 
 
+@dataclass(frozen=True)
+class CacheBlocks:
+    """Where the blocks of each layer of a prefill's advertised cache lie."""
+
+    extents: BlockExtents
+    num_blocks: int
+    block_dim: int
+
+    @classmethod
+    def of(cls, cache: SharedCache, layout: KVLayout) -> CacheBlocks:
+        extents = BlockExtents.of(cache.shape, cache.strides, layout.block_dim)
+        return cls(extents, cache.shape[layout.block_dim], layout.block_dim)
+
+
+def cache_ranges(
+    src: CacheBlocks,
+    src_bases: Sequence[int],
+    layers: Sequence[torch.Tensor],
+    blocks: tuple[Sequence[int], Sequence[int]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`block_ranges` of every layer: (source, destination, bytes) of (prefill blocks, our
+    blocks) from the prefill's layers at ``src_bases`` into our ``layers``."""
+    limits = (src.num_blocks, layers[0].shape[src.block_dim])
+    for name, ids, n in zip(("prefill", "our"), blocks, limits, strict=True):
+        if ids and not 0 <= min(ids) <= max(ids) < n:  # copies go by address
+            raise ValueError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{n - 1}")
+    runs = block_runs(*blocks)
+    parts = [
+        block_ranges(src.extents, base, BlockExtents.of(t.shape, t.stride(), src.block_dim),
+                     t.data_ptr(), runs, t.element_size())
+        for base, t in zip(src_bases, layers, strict=True)
+    ]  # fmt: skip
+    frm, to, sizes = (np.concatenate(p) for p in zip(*parts, strict=True))
+    return frm, to, sizes
+
+
 def plan_cache_reads(
     cache: SharedCache,
     layout: KVLayout,
     layers: Sequence[torch.Tensor],
-    blocks: Sequence[tuple[int, int]],
+    blocks: tuple[Sequence[int], Sequence[int]],
 ) -> list[ByteRun]:
-    """NIXL runs for (prefill block, our block) pairs of every layer: the source offset in
-    the prefill's cache, the destination address in ours."""
-    src = BlockExtents.of(cache.shape, cache.strides, layout.block_dim)
-    runs: list[ByteRun] = []
-    for offset, layer in zip(cache.layer_offsets, layers, strict=True):
-        dst = BlockExtents.of(layer.shape, layer.stride(), layout.block_dim)
-        size = layer.element_size()
-        runs += plan_block_reads(src, offset * size, dst, layer.data_ptr(), blocks, size)
-    return runs
+    """NIXL runs for (prefill blocks, our blocks) of every layer: the source offset in the
+    prefill's cache, the destination address in ours."""
+    item = layers[0].element_size()
+    shape = CacheBlocks.of(cache, layout)
+    ranges = cache_ranges(shape, [o * item for o in cache.layer_offsets], layers, blocks)
+    return [ByteRun(*r) for r in zip(*(a.tolist() for a in ranges), strict=True)]
 
 
 def cache_endpoint(staging: TransportEndpoint, cache: SharedCache) -> TransportEndpoint:
@@ -132,8 +166,9 @@ def owner_of(rank: RankMetadata) -> str:
 
 
 class PeerCache:
-    """A prefill rank's shared KV cache, mapped read-only, as canonical views per layer.
-    Dropped once the prefill process is gone: the mapping alone would keep its memory."""
+    """A prefill rank's shared KV cache, mapped read-only: canonical views per layer, and
+    where each layer's blocks lie. Dropped once the prefill process is gone: the mapping
+    alone would keep its memory."""
 
     def __init__(self, cache: SharedCache, layout: KVLayout, geometry: KVGeometry) -> None:
         if not (match := FD_PATH_RE.fullmatch(cache.path)):
@@ -158,14 +193,14 @@ class PeerCache:
         with warnings.catch_warnings():  # read-only on purpose: see transports/shm.py
             warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
             flat = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.dtype)
-        try:
-            self.layers = [
-                layout.kv_views(flat.as_strided(cache.shape, cache.strides, offset), geometry)
-                for offset in cache.layer_offsets
-            ]
-        except RuntimeError as exc:  # a shape or offset outside the mapping
+        try:  # as_strided refuses a shape or offset outside the mapping
+            tensors = [flat.as_strided(cache.shape, cache.strides, o) for o in cache.layer_offsets]
+            self.blocks = CacheBlocks.of(cache, layout)
+        except (RuntimeError, ValueError) as exc:
             os.close(self._pidfd)
             raise ConnectionError(f"the prefill's KV cache does not fit its map: {exc}") from None
+        self.layers = [layout.kv_views(t, geometry) for t in tensors]
+        self.addresses = [t.data_ptr() for t in tensors]
 
     def alive(self) -> bool:
         return not select.select([self._pidfd], [], [], 0)[0]  # readable once it exited
@@ -184,14 +219,14 @@ class DirectReader:
         workers = min(2, len(os.sched_getaffinity(0)))
         self._pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
 
-    def layers(
+    def peer(
         self, owner: str, cache: SharedCache, layout: KVLayout, geometry: KVGeometry
-    ) -> list[Views]:
+    ) -> PeerCache:
         """``owner`` names the prefill rank and its start (`owner_of`)."""
         with self._lock:
             if owner not in self._caches:
                 self._caches[owner] = PeerCache(cache, layout, geometry)
-            return self._caches[owner].layers
+            return self._caches[owner]
 
     def forget(self, owner: str) -> None:
         with self._lock:
@@ -213,18 +248,19 @@ class DirectReader:
 
     def copy(
         self,
-        src: Sequence[Views],
+        src: PeerCache,
         src_blocks: Sequence[int],
-        dst: Sequence[Views],
+        dst: Sequence[torch.Tensor],
         dst_blocks: Sequence[int],
     ) -> int:
-        """Copies whole blocks, layer by layer; a second thread takes every other layer."""
-        runs = block_runs(src_blocks, dst_blocks)
-        pairs = list(zip(src, dst, strict=True))
+        """Copies whole blocks from ``src`` into ``dst``, our layers as vLLM registered them
+        (the same layout); a second thread takes the ranges of the second half of the bytes."""
+        frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
         if self._pool is None:
-            return sum(copy_block_runs(s, d, runs) for s, d in pairs)
-        half = self._pool.submit(lambda: sum(copy_block_runs(s, d, runs) for s, d in pairs[1::2]))
-        return sum(copy_block_runs(s, d, runs) for s, d in pairs[::2]) + half.result()
+            return copy_ranges(frm, to, sizes)
+        half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
+        second = self._pool.submit(copy_ranges, frm[half:], to[half:], sizes[half:])
+        return copy_ranges(frm[:half], to[:half], sizes[:half]) + second.result()
 
     def close(self) -> None:
         if self._pool is not None:

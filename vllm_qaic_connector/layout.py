@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 
@@ -246,25 +247,6 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
     return runs
 
 
-def copy_block_runs(
-    src: tuple[torch.Tensor, torch.Tensor],
-    dst: tuple[torch.Tensor, torch.Tensor],
-    runs: Sequence[tuple[int, int, int]],
-) -> int:
-    """Copies whole blocks of one layer between two canonical views of the same geometry
-    (see `block_runs`); returns the bytes written. One copy per run: no temporary."""
-    if src[0].shape[1:] != dst[0].shape[1:] or src[0].dtype != dst[0].dtype:
-        raise ValueError(f"block shapes differ: {src[0].shape} {src[0].dtype} vs "
-                         f"{dst[0].shape} {dst[0].dtype}")  # fmt: skip
-    ints = _INTS[src[0].element_size()]
-    for s, d in zip(src, dst, strict=True):
-        s_, d_ = s.view(ints).numpy(), d.view(ints).numpy()  # numpy: see copy_tokens
-        for s0, d0, n in runs:
-            d_[d0 : d0 + n] = s_[s0 : s0 + n]
-    per_block = 2 * math.prod(src[0].shape[1:]) * src[0].element_size()
-    return per_block * sum(n for _, _, n in runs)
-
-
 def gather_tokens(
     kv: tuple[torch.Tensor, torch.Tensor], blocks: Sequence[int], num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,28 +289,34 @@ class BlockExtents:
         return cls(tuple(planes), strides[block_dim], math.prod(inner))
 
 
-def plan_block_reads(
+def block_ranges(
     src: BlockExtents,
     src_base: int,
     dst: BlockExtents,
     dst_base: int,
-    blocks: Sequence[tuple[int, int]],
+    runs: Sequence[tuple[int, int, int]],
     itemsize: int,
-) -> list[ByteRun]:
-    """Runs that copy whole blocks (source, destination) between two layers of one layout,
-    at byte addresses ``src_base`` and ``dst_base``; blocks adjacent on both sides merge."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source addresses, destination addresses, byte counts) that copy the whole blocks of
+    ``runs`` (`block_runs`) of every plane between two layers of one layout at byte
+    addresses ``src_base`` and ``dst_base``: a range per run where blocks lie back to back
+    on both sides, else per block. No Python loop per block."""
     if len(src.planes) != len(dst.planes) or src.elems != dst.elems:
         raise ValueError(f"block extents differ: {src} vs {dst}")
-    nbytes = src.elems * itemsize
-    return merge_runs(
-        ByteRun(
-            src_base + (sp + s * src.stride) * itemsize,
-            dst_base + (dp + d * dst.stride) * itemsize,
-            nbytes,
-        )  # fmt: skip
-        for sp, dp in zip(src.planes, dst.planes, strict=True)
-        for s, d in blocks
-    )
+    s0, d0, count = np.asarray(runs, dtype=np.int64).reshape(-1, 3).T
+    if src.stride != src.elems or dst.stride != dst.elems:  # gaps between blocks
+        s0, d0 = _each_block(s0, count), _each_block(d0, count)
+        count = np.ones_like(s0)
+    frm = [src_base + (p + s0 * src.stride) * itemsize for p in src.planes]
+    to = [dst_base + (p + d0 * dst.stride) * itemsize for p in dst.planes]
+    sizes = np.tile(count * (src.elems * itemsize), len(src.planes))
+    return np.concatenate(frm), np.concatenate(to), sizes
+
+
+def _each_block(first: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Every block of the runs that start at ``first``, ``count`` blocks long."""
+    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    return np.repeat(first, count) + within
 
 
 def merge_runs(runs: Iterable[ByteRun]) -> list[ByteRun]:

@@ -199,21 +199,21 @@ class RequestLoads:
             gate.writing(),
         ):  # fmt: skip
             if isinstance(transport, NixlTransport):
-                pairs = list(zip(theirs[lo:hi], ours[lo:hi], strict=True))
-                runs = plan_cache_reads(src.cache, cache.layout, cache.tensors, pairs)
+                blocks = (theirs[lo:hi], ours[lo:hi])
+                runs = plan_cache_reads(src.cache, cache.layout, cache.tensors, blocks)
                 copied, reads = (
                     transport.read_into(cache_endpoint(src.endpoint, src.cache), runs),
                     reads + len(runs),
                 )
             else:
-                mapped = self.direct.layers(owner_of(src), src.cache, cache.layout, cache.geometry)
+                mapped = self.direct.peer(owner_of(src), src.cache, cache.layout, cache.geometry)
                 copied = (
                     sum(  # the first block is partly ours already
                         copy_tokens(s, theirs, d, ours, first, end)
-                        for s, d in zip(mapped, cache.layers, strict=True)
+                        for s, d in zip(mapped.layers, cache.layers, strict=True)
                     )
                     if first % bs
-                    else self.direct.copy(mapped, theirs[lo:hi], cache.layers, ours[lo:hi])
+                    else self.direct.copy(mapped, theirs[lo:hi], cache.tensors, ours[lo:hi])
                 )
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)

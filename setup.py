@@ -1,0 +1,15 @@
+"""The one native piece: non-temporal block copies (``_stream_copy.c``). Optional: without
+a C compiler the package installs anyway and copies with numpy (`stream_copy.NATIVE`)."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "vllm_qaic_connector._stream_copy",
+            ["vllm_qaic_connector/_stream_copy.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        )
+    ]
+)

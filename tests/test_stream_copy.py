@@ -1,0 +1,75 @@
+"""Byte-range copies (native non-temporal stores, or memmove without the extension) and the
+ranges `block_ranges` plans for whole blocks of every layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_qaic_connector import stream_copy
+from vllm_qaic_connector.layout import (
+    LAYOUTS,
+    BlockExtents,
+    KVGeometry,
+    block_ranges,
+    block_runs,
+    get_layout,
+)
+
+GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
+
+
+def test_the_extension_is_built():
+    """`make setup` compiles it; without it every copy is a memmove per range."""
+    assert stream_copy.NATIVE, "vllm_qaic_connector._stream_copy was not built (C compiler?)"
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_ranges_of_any_alignment_and_length_are_copied_exactly(native, monkeypatch):
+    if not native:
+        monkeypatch.setattr(stream_copy, "_native", None)
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 255, 1 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    # more than one group of four, odd starts, lengths around the 16/64-byte and page steps
+    starts = [0, 3, 70_001, 200_017, 300_000, 400_005, 500_000, 700_001, 900_000]
+    lengths = [0, 1, 15, 63, 65, 4_095, 4_097, 150_001, 1]
+    copied = stream_copy.copy_ranges(
+        np.array([src.ctypes.data + s for s in starts]),
+        np.array([dst.ctypes.data + s for s in starts]),
+        np.array(lengths),
+    )
+    expected = np.zeros_like(src)
+    for s, n in zip(starts, lengths, strict=True):
+        expected[s : s + n] = src[s : s + n]
+    assert np.array_equal(dst, expected) and copied == sum(lengths)
+
+
+def test_address_arrays_of_different_lengths_are_refused():
+    one = np.zeros(1, dtype=np.uint64)
+    with pytest.raises(ValueError, match="one length"):
+        stream_copy.copy_ranges(one, one, np.zeros(2, dtype=np.uint64))
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_block_ranges_copy_exactly_the_named_blocks_of_every_layout(kind):
+    layout = get_layout(kind)
+    src = layout.allocate(12, GEO)
+    src.copy_(torch.randn(src.shape, generator=torch.Generator().manual_seed(1)))
+    dst = layout.allocate(20, GEO)  # caches of different sizes: K and V planes apart
+    src_blocks, dst_blocks = [5, 0, 8, 9, 10, 11, 3], [2, 19, 14, 15, 16, 17, 7]
+    runs = block_runs(src_blocks, dst_blocks)  # single blocks and a run of four
+
+    def extents(t: torch.Tensor) -> BlockExtents:
+        return BlockExtents.of(t.shape, t.stride(), layout.block_dim)
+
+    ranges = block_ranges(
+        extents(src), src.data_ptr(), extents(dst), dst.data_ptr(), runs, src.element_size()
+    )
+    assert len(ranges[2]) == 4 * len(extents(src).planes)  # a range per run and plane
+    assert stream_copy.copy_ranges(*ranges) == len(src_blocks) * GEO.bytes_per_block
+    s_views, d_views = layout.kv_views(src, GEO), layout.kv_views(dst, GEO)
+    for s_view, d_view in zip(s_views, d_views, strict=True):
+        assert torch.equal(s_view[src_blocks], d_view[dst_blocks])
+        assert not d_view[sorted(set(range(20)) - set(dst_blocks))].any()

@@ -1,0 +1,98 @@
+/* Copies of many byte ranges with non-temporal stores.
+ *
+ * A KV handoff writes whole blocks that the decode reads at its next step, not now, so
+ * caching the destination only costs bandwidth: an ordinary copy first reads every
+ * destination line it writes. Streaming stores skip that read, and walking four ranges
+ * at once keeps more loads in flight; together they copy shuffled 32 KiB-256 KiB blocks
+ * about 1.5x faster than memcpy per block (see `python -m vllm_qaic_connector.bench`).
+ * Without SSE2 this is memcpy per range.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#define WAYS 4
+#define STEP 4096 /* bytes of each range per turn: one page */
+
+#if defined(__SSE2__)
+/* Streams [off, end) of one range; the caller keeps dst + off 16-byte aligned. */
+static void stream_part(char *dst, const char *src, size_t off, size_t end) {
+    for (; off + 64 <= end; off += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + off));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + off + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + off + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + off + 48));
+        _mm_stream_si128((__m128i *)(dst + off), a);
+        _mm_stream_si128((__m128i *)(dst + off + 16), b);
+        _mm_stream_si128((__m128i *)(dst + off + 32), c);
+        _mm_stream_si128((__m128i *)(dst + off + 48), d);
+    }
+    if (off < end) memcpy(dst + off, src + off, end - off);
+}
+
+static void copy_group(char **dst, const char **src, const uint64_t *len, size_t n) {
+    size_t head[WAYS], longest = 0;
+    for (size_t w = 0; w < n; w++) {
+        /* memcpy up to the first 16-byte aligned destination byte, stream the rest */
+        head[w] = (16 - ((uintptr_t)dst[w] & 15)) & 15;
+        if (head[w] > len[w]) head[w] = len[w];
+        memcpy(dst[w], src[w], head[w]);
+        if (len[w] > longest) longest = len[w];
+    }
+    /* turn k streams [head + k * STEP, head + (k + 1) * STEP) of every range: aligned */
+    for (size_t off = 0; off < longest; off += STEP) {
+        for (size_t w = 0; w < n; w++) {
+            size_t start = head[w] + off;
+            size_t end = start + STEP < len[w] ? start + STEP : len[w];
+            if (start < end) stream_part(dst[w], src[w], start, end);
+        }
+    }
+}
+#endif
+
+static void copy_ranges(const uint64_t *dst, const uint64_t *src, const uint64_t *len, size_t n) {
+#if defined(__SSE2__)
+    for (size_t i = 0; i < n; i += WAYS) {
+        size_t k = n - i < WAYS ? n - i : WAYS;
+        copy_group((char **)(dst + i), (const char **)(src + i), len + i, k);
+    }
+    _mm_sfence(); /* streamed stores are weakly ordered: visible before we return */
+#else
+    for (size_t i = 0; i < n; i++) memcpy((void *)(uintptr_t)dst[i], (const void *)(uintptr_t)src[i], len[i]);
+#endif
+}
+
+static PyObject *py_copy_ranges(PyObject *self, PyObject *args) {
+    Py_buffer dst, src, len;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &dst, &src, &len)) return NULL;
+    PyObject *result = NULL;
+    size_t n = (size_t)len.len / sizeof(uint64_t);
+    if (dst.len != len.len || src.len != len.len || len.len % sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, "copy_ranges: three uint64 arrays of one length");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy_ranges(dst.buf, src.buf, len.buf, n);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&len);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_ranges", py_copy_ranges, METH_VARARGS,
+     "copy_ranges(dst, src, lengths): three uint64 buffers of addresses and byte counts; "
+     "copies each range with non-temporal stores, the GIL released."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_stream_copy", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__stream_copy(void) { return PyModule_Create(&module); }
