@@ -62,6 +62,7 @@ class Row:
     ttft_p95_ms: float
     prefill_p50_ms: float  # the proxy's prefill leg, within TTFT (nan: no proxy)
     tpot_ms: float
+    rest_ms: float  # mean time from the first token to the last
     agreement: float  # same text as the aggregated server's
     correct: float  # the copy task's answer
     stalls: int
@@ -192,6 +193,7 @@ def summarize(setup: str, conc: int, arrivals: float, samples: list[Streamed],
         round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))] * 1e3, 1),
         round(statistics.median(prefill) * 1e3, 1) if prefill else float("nan"),
         round(statistics.median(tpot) * 1e3, 2) if tpot else float("nan"),
+        round(statistics.mean(s.seconds - s.ttft for s in ok) * 1e3, 1) if ok else float("nan"),
         round(same / len(samples), 3),
         round(sum(is_correct(t, a) for t, a in zip(texts, answers, strict=True)) / len(samples), 3),
         sum(s.ttft > STALL_S or s.error != "" for s in samples),
@@ -356,10 +358,30 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         words = {None: "not run", True: "met", False: "NOT met"}
         flags = " ".join(f"{k}:{words[v]}" for k, v in checks.items())
         print(f"  {r.setup} {load(r)}: {flags}")
+    floor_lines(rows, rates.get("connector"))
     if "aggregated" in rates and "connector" in rates:
         ratio = rates["connector"] / rates["aggregated"]
         print(f"prefill throughput with the connector: {rates['connector']:.1f} req/s, without: "
               f"{rates['aggregated']:.1f} req/s, ratio {ratio:.2f} (target >= 0.9)")  # fmt: skip
+
+
+def floor_lines(rows: list[Row], rate: float | None) -> None:
+    """Closed loop, c requests always in flight: c = throughput x (mean TTFT + mean time
+    after the first token), and throughput cannot pass the prefill's own rate. So a P/D
+    setup's mean TTFT cannot go below c / rate - time after the first token, however fast
+    the handoff: a decode that answers sooner sends the next prompt to the prefill sooner."""
+    if not rate:
+        return
+    by = {(r.setup, r.concurrency): r for r in rows}
+    print(f"closed-loop floor of a P/D setup's mean TTFT with the prefill at most {rate:.1f} "
+          "req/s (Little's law: concurrency / rate - time after the first token)")  # fmt: skip
+    for r in rows:
+        if r.setup.startswith("qaic") and r.concurrency:
+            floor = 1e3 * r.concurrency / rate - r.rest_ms
+            agg = by.get(("aggregated", r.concurrency))
+            twice = f", 2x aggregated {2 * agg.ttft_p50_ms:.0f} ms" if agg else ""
+            print(f"  {r.setup} {load(r)}: floor {max(floor, 0):.0f} ms (after the first token "
+                  f"{r.rest_ms:.0f} ms), measured p50 {r.ttft_p50_ms:.0f} ms{twice}")  # fmt: skip
 
 
 def plot(rows: list[Row], out: str) -> None:

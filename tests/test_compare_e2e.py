@@ -41,3 +41,6 @@ def test_compare_e2e_quick(tmp_path: Path) -> None:
     assert len(open_rates) == 1 and open_rates.pop() > 0, open_rates
     assert png.stat().st_size > 0
     assert "prefill throughput with the connector" in proc.stdout
+    # The closed-loop floor that the prefill's rate puts under the TTFT, from this run.
+    rest = rows["qaic-shm-128to32", 4]["rest_ms"]
+    assert 0 < rest < math.inf and f"(after the first token {rest:.0f} ms)" in proc.stdout
