@@ -34,9 +34,13 @@ static void stream_part(char *dst, const char *src, size_t off, size_t end) {
     if (off < end) memcpy(dst + off, src + off, end - off);
 }
 
-static void copy_group(char **dst, const char **src, const uint64_t *len, size_t n) {
+static void copy_group(const uint64_t *dst_at, const uint64_t *src_at, const uint64_t *len, size_t n) {
+    char *dst[WAYS];
+    const char *src[WAYS];
     size_t head[WAYS], longest = 0;
     for (size_t w = 0; w < n; w++) {
+        dst[w] = (char *)(uintptr_t)dst_at[w];
+        src[w] = (const char *)(uintptr_t)src_at[w];
         /* memcpy up to the first 16-byte aligned destination byte, stream the rest */
         head[w] = (16 - ((uintptr_t)dst[w] & 15)) & 15;
         if (head[w] > len[w]) head[w] = len[w];
@@ -58,7 +62,7 @@ static void copy_ranges(const uint64_t *dst, const uint64_t *src, const uint64_t
 #if defined(__SSE2__)
     for (size_t i = 0; i < n; i += WAYS) {
         size_t k = n - i < WAYS ? n - i : WAYS;
-        copy_group((char **)(dst + i), (const char **)(src + i), len + i, k);
+        copy_group(dst + i, src + i, len + i, k);
     }
     _mm_sfence(); /* streamed stores are weakly ordered: visible before we return */
 #else
