@@ -1,5 +1,6 @@
 """The one native piece: non-temporal block copies (``_stream_copy.c``). Optional: without
-a C compiler the package installs anyway and copies with numpy (`stream_copy.NATIVE`)."""
+a C compiler the package installs anyway and copies with memmove per range
+(`stream_copy.NATIVE` says which)."""
 
 from setuptools import Extension, setup
 

@@ -73,3 +73,23 @@ def test_block_ranges_copy_exactly_the_named_blocks_of_every_layout(kind):
     for s_view, d_view in zip(s_views, d_views, strict=True):
         assert torch.equal(s_view[src_blocks], d_view[dst_blocks])
         assert not d_view[sorted(set(range(20)) - set(dst_blocks))].any()
+
+
+def test_blocks_with_gaps_between_them_are_copied_block_by_block():
+    """A layer whose block stride is padded: no run spans two blocks."""
+    layout = get_layout("vllm_cpu")
+    shape = layout.physical_shape(12, GEO)
+    elems = GEO.num_heads * GEO.block_size * 2 * GEO.head_size
+    padded = torch.randn(12 * (elems + 64), generator=torch.Generator().manual_seed(2)).half()
+    src = padded.as_strided(shape, (elems + 64, *layout.allocate(1, GEO).stride()[1:]))
+    dst = layout.allocate(12, GEO)
+    runs = block_runs([2, 3, 4, 9], [5, 6, 7, 0])  # a run of three, then one
+    ranges = block_ranges(
+        BlockExtents.of(src.shape, src.stride(), 0), src.data_ptr(),
+        BlockExtents.of(dst.shape, dst.stride(), 0), dst.data_ptr(), runs, 2,
+    )  # fmt: skip
+    assert len(ranges[2]) == 4  # one range per block on the padded side
+    stream_copy.copy_ranges(*ranges)
+    for s_view, d_view in zip(layout.kv_views(src, GEO), layout.kv_views(dst, GEO), strict=True):
+        assert torch.equal(s_view[[2, 3, 4, 9]], d_view[[5, 6, 7, 0]])
+        assert not d_view[[1, 2, 3, 4, 8, 9, 10, 11]].any()

@@ -150,8 +150,8 @@ def plan_cache_reads(
     """NIXL runs for (prefill blocks, our blocks) of every layer: the source offset in the
     prefill's cache, the destination address in ours."""
     item = layers[0].element_size()
-    shape = CacheBlocks.of(cache, layout)
-    ranges = cache_ranges(shape, [o * item for o in cache.layer_offsets], layers, blocks)
+    theirs = CacheBlocks.of(cache, layout)
+    ranges = cache_ranges(theirs, [o * item for o in cache.layer_offsets], layers, blocks)
     return [ByteRun(*r) for r in zip(*(a.tolist() for a in ranges), strict=True)]
 
 
