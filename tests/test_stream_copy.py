@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_qaic_connector import stream_copy
+from vllm_qaic_connector import layout, stream_copy
 from vllm_qaic_connector.layout import (
     LAYOUTS,
     BlockExtents,
@@ -93,3 +93,47 @@ def test_blocks_with_gaps_between_them_are_copied_block_by_block():
     for s_view, d_view in zip(layout.kv_views(src, GEO), layout.kv_views(dst, GEO), strict=True):
         assert torch.equal(s_view[[2, 3, 4, 9]], d_view[[5, 6, 7, 0]])
         assert not d_view[[1, 2, 3, 4, 8, 9, 10, 11]].any()
+
+
+PAIRS = [(s, d) for s in sorted(LAYOUTS) for d in sorted(LAYOUTS)]
+
+
+@pytest.mark.parametrize(("src_kind", "dst_kind"), PAIRS)
+def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
+    src_kind, dst_kind, monkeypatch
+):
+    """Re-blocked (16 -> 8), shifted, a head range, shuffled blocks: the native row copies
+    and numpy's must leave identical caches; same-layout copies must go native."""
+    calls: list[layout.BlockRows] = []
+
+    def counted(src: np.ndarray, dst: np.ndarray, rows: layout.BlockRows) -> None:
+        calls.append(rows)
+        stream_copy.copy_blocks(src, dst, rows)
+
+    src_geo = KVGeometry(num_heads=4, head_size=64, block_size=16, dtype=torch.float16)
+    dst_geo = KVGeometry(num_heads=2, head_size=64, block_size=8, dtype=torch.float16)
+    src = get_layout(src_kind).allocate(8, src_geo)
+    src.copy_(torch.randn(src.shape, generator=torch.Generator().manual_seed(3)))
+    src_blocks, dst_blocks = [6, 1, 3, 7, 0], [11, 2, 3, 4, 5, 9, 0, 1, 13, 8, 14]
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(layout, "NATIVE", native)
+        monkeypatch.setattr(layout, "copy_blocks", counted)
+        dst = get_layout(dst_kind).allocate(16, dst_geo)
+        views = (get_layout(src_kind).kv_views(src, src_geo),
+                 get_layout(dst_kind).kv_views(dst, dst_geo))  # fmt: skip
+        layout.copy_tokens(views[0], src_blocks, views[1], dst_blocks, 5, 70,
+                           layout.HeadRange(1, 3, 0), dst_t0=13)  # fmt: skip
+        results.append(dst)
+    assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
+    assert results[0].any()
+    if src_kind == dst_kind and src_kind in ("cuda_hnd", "qaic_slot"):  # a head's tokens
+        assert calls and all(r.chunk >= layout.MIN_ROW_BYTES for r in calls)
+
+
+def test_block_ids_outside_the_cache_are_refused_before_a_native_copy():
+    geo = KVGeometry(num_heads=2, head_size=128, block_size=16, dtype=torch.float16)
+    hnd = get_layout("cuda_hnd")
+    src, dst = hnd.kv_views(hnd.allocate(4, geo), geo), hnd.kv_views(hnd.allocate(4, geo), geo)
+    with pytest.raises(IndexError, match="outside 0..3"):
+        layout.copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)

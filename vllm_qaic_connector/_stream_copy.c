@@ -1,4 +1,4 @@
-/* Copies of many byte ranges with non-temporal stores.
+/* Copies of many byte ranges, and of strided blocks, with non-temporal stores.
  *
  * A KV handoff writes whole blocks that the decode reads at its next step, not now, so
  * caching the destination only costs bandwidth: an ordinary copy first reads every
@@ -34,6 +34,12 @@ static void stream_part(char *dst, const char *src, size_t off, size_t end) {
     if (off < end) memcpy(dst + off, src + off, end - off);
 }
 
+/* One range: memcpy up to the first 16-byte aligned destination byte, stream the rest. */
+static size_t aligned_head(const char *dst, size_t len) {
+    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+    return head < len ? head : len;
+}
+
 static void copy_group(const uint64_t *dst_at, const uint64_t *src_at, const uint64_t *len, size_t n) {
     char *dst[WAYS];
     const char *src[WAYS];
@@ -41,9 +47,7 @@ static void copy_group(const uint64_t *dst_at, const uint64_t *src_at, const uin
     for (size_t w = 0; w < n; w++) {
         dst[w] = (char *)(uintptr_t)dst_at[w];
         src[w] = (const char *)(uintptr_t)src_at[w];
-        /* memcpy up to the first 16-byte aligned destination byte, stream the rest */
-        head[w] = (16 - ((uintptr_t)dst[w] & 15)) & 15;
-        if (head[w] > len[w]) head[w] = len[w];
+        head[w] = aligned_head(dst[w], len[w]);
         memcpy(dst[w], src[w], head[w]);
         if (len[w] > longest) longest = len[w];
     }
@@ -70,6 +74,53 @@ static void copy_ranges(const uint64_t *dst, const uint64_t *src, const uint64_t
 #endif
 }
 
+/* Block i's rows: rows[a][b] of `chunk` bytes at base + a * stride_a + b * stride_b. */
+typedef struct {
+    Py_ssize_t rows_a, rows_b, chunk, dst_a, dst_b, src_a, src_b;
+} rows_t;
+
+static void copy_blocks(const uint64_t *dst, const uint64_t *src, size_t n, const rows_t *r) {
+    for (size_t i = 0; i < n; i++) {
+        for (Py_ssize_t a = 0; a < r->rows_a; a++) {
+            for (Py_ssize_t b = 0; b < r->rows_b; b++) {
+                char *d = (char *)(uintptr_t)dst[i] + a * r->dst_a + b * r->dst_b;
+                const char *s = (const char *)(uintptr_t)src[i] + a * r->src_a + b * r->src_b;
+#if defined(__SSE2__)
+                size_t head = aligned_head(d, (size_t)r->chunk);
+                memcpy(d, s, head);
+                stream_part(d, s, head, (size_t)r->chunk);
+#else
+                memcpy(d, s, (size_t)r->chunk);
+#endif
+            }
+        }
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static PyObject *py_copy_blocks(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    rows_t r;
+    if (!PyArg_ParseTuple(args, "y*y*nnnnnnn", &dst, &src, &r.rows_a, &r.rows_b, &r.chunk,
+                          &r.dst_a, &r.dst_b, &r.src_a, &r.src_b))
+        return NULL;
+    PyObject *result = NULL;
+    if (dst.len != src.len || dst.len % sizeof(uint64_t) || r.rows_a < 0 || r.rows_b < 0 || r.chunk < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_blocks: two uint64 arrays of one length, counts >= 0");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy_blocks(dst.buf, src.buf, (size_t)dst.len / sizeof(uint64_t), &r);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyObject *py_copy_ranges(PyObject *self, PyObject *args) {
     Py_buffer dst, src, len;
     if (!PyArg_ParseTuple(args, "y*y*y*", &dst, &src, &len)) return NULL;
@@ -94,6 +145,10 @@ static PyMethodDef methods[] = {
     {"copy_ranges", py_copy_ranges, METH_VARARGS,
      "copy_ranges(dst, src, lengths): three uint64 buffers of addresses and byte counts; "
      "copies each range with non-temporal stores, the GIL released."},
+    {"copy_blocks", py_copy_blocks, METH_VARARGS,
+     "copy_blocks(dst, src, rows_a, rows_b, chunk, dst_a, dst_b, src_a, src_b): for each "
+     "pair of block addresses (uint64 buffers), copies chunk bytes at a * stride_a + "
+     "b * stride_b for every row (a, b), with non-temporal stores, the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

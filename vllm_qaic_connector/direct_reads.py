@@ -35,7 +35,7 @@ from vllm_qaic_connector.layout import (
     block_ranges,
     block_runs,
 )
-from vllm_qaic_connector.stream_copy import copy_ranges
+from vllm_qaic_connector.stream_copy import copy_ranges, copy_threads
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.transports.shm import SHM_DIR
@@ -215,8 +215,7 @@ class DirectReader:
     def __init__(self) -> None:
         self._caches: dict[str, PeerCache] = {}
         self._lock = threading.Lock()
-        # One thread per core this process may use: on a pinned engine that is just us.
-        workers = min(2, len(os.sched_getaffinity(0)))
+        workers = copy_threads()
         self._pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
 
     def peer(

@@ -18,6 +18,8 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from vllm_qaic_connector.stream_copy import NATIVE, copy_blocks
+
 
 @dataclass(frozen=True)
 class KVGeometry:
@@ -193,6 +195,8 @@ def copy_tokens(
             d_ = d[:, h.dst_start : h.dst_start + nh, do : do + n]
             if s.device.type != "cpu" or d.device.type != "cpu":  # an accelerator's memory
                 d_[dst_ids] = s_[src_ids].to(d.device)
+            elif NATIVE and (rows := block_rows(s_, d_)) is not None:
+                copy_blocks(_addresses(s_, src_ids), _addresses(d_, dst_ids), rows)
             elif isinstance(dst_ids, slice) and not isinstance(src_ids, slice):  # to staging
                 torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place
             else:
@@ -205,6 +209,50 @@ def copy_tokens(
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+MIN_ROW_BYTES = 512  # shorter rows (NHD<->HND: a head, 256 B; K transposed: 2 B): numpy
+
+
+@dataclass(frozen=True)
+class BlockRows:
+    """One block's copy as rows of ``chunk`` contiguous bytes on both sides: row (a, b)
+    at ``a * stride_a + b * stride_b`` from each block's start (strides in bytes)."""
+
+    rows_a: int
+    rows_b: int
+    chunk: int
+    dst_a: int
+    dst_b: int
+    src_a: int
+    src_b: int
+
+
+def block_rows(src: torch.Tensor, dst: torch.Tensor) -> BlockRows | None:
+    """How to copy block ``src[i]`` to ``dst[j]`` (``[blocks, heads, tokens, head_dim]``
+    views of one shape): dims contiguous on both sides merge into the row, the rest (two at
+    most) stay loops. None where rows would be shorter than `MIN_ROW_BYTES`."""
+    item = src.element_size()
+    dims = [(n, a, b) for n, a, b in zip(src.shape[1:], src.stride()[1:], dst.stride()[1:],
+                                         strict=True) if n > 1]  # fmt: skip
+    chunk = 1
+    while dims and dims[-1][1:] == (chunk, chunk):  # contiguous on both sides so far
+        chunk *= dims.pop()[0]
+    dims = [(1, 0, 0)] * (2 - len(dims)) + dims
+    if chunk * item < MIN_ROW_BYTES or len(dims) > 2:
+        return None
+    (na, sa, da), (nb, sb, db) = dims
+    return BlockRows(na, nb, chunk * item, da * item, db * item, sa * item, sb * item)
+
+
+def _addresses(view: torch.Tensor, ids: _Index) -> np.ndarray:
+    """Byte addresses of blocks ``ids`` of ``view``; they must lie inside it (copied by
+    address, so nothing else checks them)."""
+    n = view.shape[0]
+    at = np.arange(ids.start, ids.stop, ids.step) if isinstance(ids, slice) else ids.numpy()
+    if len(at) and not 0 <= int(at.min()) <= int(at.max()) < n:
+        raise IndexError(f"block ids {int(at.min())}..{int(at.max())} outside 0..{n - 1}")
+    return (view.data_ptr() + at * (view.stride(0) * view.element_size())).astype(np.uint64)
+
+
 _Index = torch.Tensor | slice  # physical blocks; a slice where evenly spaced, as staged
 
 

@@ -5,15 +5,37 @@ release the GIL, so two threads copy in parallel."""
 from __future__ import annotations
 
 import ctypes
+import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from vllm_qaic_connector.layout import BlockRows
+
 try:
+    from vllm_qaic_connector._stream_copy import copy_blocks as _native_blocks
     from vllm_qaic_connector._stream_copy import copy_ranges as _native
 except ImportError:  # installed without a C compiler
-    _native = None
+    _native = _native_blocks = None
 
 NATIVE = _native is not None
+
+
+def copy_threads() -> int:
+    """Threads worth copying with: one per core this process may use, at most two (two
+    already reach this host's memory bandwidth); one on an engine pinned to its core."""
+    return min(2, len(os.sched_getaffinity(0)))
+
+
+def copy_blocks(src: np.ndarray, dst: np.ndarray, rows: BlockRows) -> None:
+    """Copies ``rows`` of each block at address ``src[i]`` to the block at ``dst[i]``
+    (native only: `layout.copy_tokens` goes through numpy without it)."""
+    assert _native_blocks is not None, "copy_blocks needs the native _stream_copy"
+    r = rows
+    _native_blocks(np.ascontiguousarray(dst, dtype=np.uint64),
+                   np.ascontiguousarray(src, dtype=np.uint64),
+                   r.rows_a, r.rows_b, r.chunk, r.dst_a, r.dst_b, r.src_a, r.src_b)  # fmt: skip
 
 
 def copy_ranges(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> int:

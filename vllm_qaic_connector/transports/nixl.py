@@ -10,6 +10,13 @@ progress its worker, or the reader's transfer stays in PROC. nixl's C++ progress
 that, but nixl's Python API pins its poll timeout to 0, a busy loop costing a core per agent.
 We run that thread with a 100 ms timeout instead: it still wakes at once on the UCX worker's
 event fd (notified reads ~0.1 ms on a quiet machine) and idles at ~0.05% of a core.
+
+Copy threads: on one host UCX moves the bytes with ``process_vm_readv`` (``cma``) on the
+thread that posts the READ, ~5 GB/s. Where the process may use two cores, UCX's thread-pool
+engine (``num_threads``) splits a READ of `SPLIT_DESCRIPTORS` or more descriptors between
+two threads with their own workers (~7 GB/s; `python -m vllm_qaic_connector.bench`), and a
+large staged read goes as `PIECE`-sized descriptors so that it splits too. The notification
+still follows the last byte: UCX sends it once every part is done.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 
 from vllm_qaic_connector.layout import ByteRun
+from vllm_qaic_connector.stream_copy import copy_threads
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.wire import TransportEndpoint
 
@@ -33,6 +41,8 @@ logger = logging.getLogger(__name__)
 PROGRESS_TIMEOUT_US = 100_000  # idle wake-up of the progress thread; UCX events wake it sooner
 ALIGN = 64  # receive slices start on a cache line, so the copy into KV blocks vectorises
 MAX_PAUSE_S = 1e-3  # longest sleep between checks of a read in flight
+PIECE = 1 << 20  # a staged read's descriptors: past 1 MiB one descriptor is no faster
+SPLIT_DESCRIPTORS = 8  # fewer stay on the posting thread (UCX's default: 1,024)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -57,7 +67,9 @@ def _new_agent(nixl: Any, name: str) -> Any:
     except (AttributeError, TypeError) as exc:  # another nixl build without these knobs
         logger.warning("nixl: cannot set the progress-thread delay (%s); it will spin", exc)
         return nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=True))
-    agent.create_backend("UCX")
+    threads = copy_threads()
+    params = {"num_threads": str(threads), "split_batch_size": str(SPLIT_DESCRIPTORS)}
+    agent.create_backend("UCX", params if threads > 1 else {})
     return agent
 
 
@@ -119,7 +131,8 @@ class NixlTransport(KVTransport):
     def read(
         self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None
     ) -> torch.Tensor:
-        """One NIXL READ; ``notify`` reaches the peer's `poll_notifications` after the data."""
+        """One NIXL READ (in `PIECE`s); ``notify`` reaches the peer's `poll_notifications`
+        after the data."""
         agent, base = self._check_peer(peer)
         if offset < 0 or nbytes <= 0 or offset + nbytes > peer.size:
             raise ValueError(f"read [{offset}, {offset + nbytes}) outside segment {peer.address}")
@@ -127,8 +140,10 @@ class NixlTransport(KVTransport):
             self._check_open()
             self._connect(agent, peer.agent_metadata)
             held = self._take(nbytes)
-            run = ByteRun(base + offset, held.tensor.data_ptr(), nbytes)
-            handle, state = self._start(agent, [run], notify, held)
+            dst = held.tensor.data_ptr()
+            runs = [ByteRun(base + offset + i, dst + i, min(PIECE, nbytes - i))
+                    for i in range(0, nbytes, PIECE)]  # fmt: skip
+            handle, state = self._start(agent, runs, notify, held)
         self._wait(agent, handle, state, held)  # without the lock: other threads may poll
         with self._lock:
             self._held.setdefault((peer.address, offset), []).append(held)
