@@ -136,10 +136,11 @@ def verdict(args: argparse.Namespace) -> int:
     failed = metric(metrics, "vllm:qaic_kv_load_failures_total")
     local_hits = metric(metrics, "vllm:prefix_cache_hits_total")
     moved = metric(metrics, "vllm:qaic_kv_bytes_copied_total")
+    direct = metric(metrics, "vllm:qaic_kv_direct_reads_total")
     prompt_tokens = sum(r.get("prompt_tokens", 0) for r in disagg)
     print(
         f"decode connector: loaded_requests={loaded_req:.0f} loaded_tokens={loaded_tok:.0f} "
-        f"load_failures={failed:.0f} local_prefix_hits={local_hits:.0f} "
+        f"load_failures={failed:.0f} direct_reads={direct:.0f} local_prefix_hits={local_hits:.0f} "
         f"prompt_tokens={prompt_tokens} bytes_per_request={moved / max(loaded_req, 1):.0f} "
         f"bytes_per_loaded_token={moved / max(loaded_tok, 1):.1f}"
     )

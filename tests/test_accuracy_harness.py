@@ -70,8 +70,9 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
     "env",
     [
         {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
-        # The prefill stages in the decode's block size (the proxy names the decode), and
-        # chunked prefill saves the KV after the last chunk.
+        # The decode reads the prefill's 32-token blocks straight out of its cache into its
+        # 128-token blocks (the proxy names the decode), after the last chunk of a chunked
+        # prefill.
         {
             **HETERO,
             "PREFILL_BLOCK_SIZE": "32",
@@ -101,6 +102,12 @@ def test_disaggregated_matches_aggregated(env):
     assert rc == 0, "harness gates failed"
     assert float(m.group(1)) >= 0.95 and float(m.group(3)) == 100.0
     assert m.group(4) == env["NUM_PROMPTS"]
+    loads = re.search(r"loaded_requests=(\d+) .* direct_reads=(\d+)", out)
+    assert loads, out
+    # shm: every load copies out of the prefill's cache, block sizes equal or not; NIXL
+    # without nixl_direct_reads: every load reads staging.
+    direct = env.get("KV_TRANSPORT", "shm") == "shm"
+    assert int(loads.group(2)) == (int(loads.group(1)) if direct else 0)
 
 
 def test_negative_control_fails_loudly():

@@ -181,15 +181,15 @@ def a_shm_cache() -> SharedCache:
     )  # fmt: skip
 
 
-def test_direct_reads_need_one_format_one_tp_and_one_host():
+def test_direct_reads_need_one_tp_one_host_and_over_nixl_one_format():
     cache = a_shm_cache()
     prefill = rank_meta(cache=cache)
     decode = rank_meta(engine_id="dec", host=host_identity())
     assert direct_problem(prefill, decode, 1) is None
     assert "does not share" in str(direct_problem(rank_meta(), decode, 1))
-    assert "block sizes differ" in str(
-        direct_problem(prefill, msgspec.structs.replace(decode, block_size=32), 1)
-    )
+    # Over shm the decode's copy converts: another block size or layout still reads directly.
+    other_format = msgspec.structs.replace(decode, block_size=32, layout_kind="cuda_hnd")
+    assert direct_problem(prefill, other_format, 1) is None
     assert "TP sizes differ" in str(direct_problem(prefill, decode, 2))
     other = msgspec.structs.replace(decode, host="another-boot|pid:[1]|0")
     assert "same host" in str(direct_problem(prefill, other, 1))
@@ -200,6 +200,8 @@ def test_direct_reads_need_one_format_one_tp_and_one_host():
     nixl_cache = msgspec.structs.replace(cache, path="", host="", address=0x1000)
     nixl_prefill = msgspec.structs.replace(prefill, cache=nixl_cache, endpoint=nixl_decode.endpoint)
     assert direct_problem(nixl_prefill, msgspec.structs.replace(nixl_decode, host="x"), 1) is None
+    nixl_other = msgspec.structs.replace(nixl_decode, block_size=32)
+    assert "block sizes differ" in str(direct_problem(nixl_prefill, nixl_other, 1))
 
 
 @pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_hnd"])

@@ -7,8 +7,9 @@ a decode's as the worker does: save (`copy_tokens` into staging under a ticket h
 load (`checked_read` through a second transport and `copy_tokens` into shuffled blocks, or
 into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
 NIXL agents live in this process; their bytes still go through UCX. The direct path (what
-the worker does when both sides share a format and a host) saves only the ticket; its load
-maps the prefill's cache, moved into shm by `share_kv_cache`, and copies whole blocks.
+the worker does when both sides share a host, and over NIXL a format) saves only the ticket;
+its load maps the prefill's cache, moved into shm by `share_kv_cache`, and copies whole
+blocks, or converts them with `copy_tokens` where the formats differ.
 
 Each (path, tokens) runs once untimed first; after the timed handoffs the decode's KV is
 zeroed, one more handoff runs, and its tokens must equal the prefill's byte for byte (else
@@ -85,6 +86,7 @@ PATHS = {  # shm-reblock stages in the decode's format, nixl-staged in the prefi
     "shm-128": Path("shm direct (CPU 128)", "shm", CPU128, CPU128, CPU128, direct=True),
     "shm-staged": Path("shm staged (HND 16)", "shm", HND16, HND16, HND16),
     "shm-reblock": Path("shm re-block+permute", "shm", NHD64, HND16, HND16),
+    "shm-convert": Path("shm direct, converted", "shm", NHD64, NHD64, HND16, direct=True),
     "shm-cpu-slot": Path("shm vllm_cpu→qaic slot", "shm", CPU128, CPU128, SLOT),
     "nixl": Path("nixl direct (HND 16)", "nixl", HND16, HND16, HND16, direct=True),
     "nixl-128": Path("nixl direct (CPU 128)", "nixl", CPU128, CPU128, CPU128, direct=True),
@@ -214,7 +216,8 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     geo, layout = shape.geo(path.prefill, n), get_layout(path.prefill[0])
     prefill_layers, src_blocks = layers_of(shape, path.prefill, n, gen, fill=True)
     decode_layers, dst_blocks = layers_of(shape, path.decode, n, gen, fill=False)
-    dst = [layout.kv_views(t, geo) for t in decode_layers]
+    ours = shape.geo(path.decode, n)
+    dst = [get_layout(path.decode[0]).kv_views(t, ours) for t in decode_layers]
     owner, reader = transports(path.transport, HEADER_BYTES, stack)
     headers = RegionHeaders(owner.staging)
     if isinstance(reader, NixlTransport):
@@ -233,7 +236,11 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         mapped = direct.peer("bench/0", shared, layout, geo)
 
         def move() -> None:
-            direct.copy(mapped, src_blocks, decode_layers, dst_blocks)
+            if path.prefill == path.decode:
+                direct.copy(mapped, src_blocks, decode_layers, dst_blocks)
+            else:  # as the worker converts: copy_tokens out of the mapped views
+                for s, d in zip(mapped.layers, dst, strict=True):
+                    copy_tokens(s, src_blocks, d, dst_blocks, 0, n)
 
     peer, notify = owner.endpoint(), b"ack" if reader.delivers_notifications else None
 

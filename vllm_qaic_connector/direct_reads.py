@@ -1,9 +1,10 @@
 """Direct reads: a decode copies a prompt's KV blocks straight out of the prefill's KV cache.
 
-When both ranks have the same layout, block size and heads, staging the KV is a copy for
-nothing. The prefill makes its KV cache readable once, when it is registered: over shm it
-moves it into shared memory (torch swaps the storage under every view of it, so vLLM's
-kernels write into shared memory from then on); over NIXL it registers it with its agent.
+On one host, staging the KV is a copy for nothing: the decode can copy (and convert, where
+layouts or block sizes differ) straight out of the prefill's cache, one pass instead of two.
+The prefill makes its KV cache readable once, when it is registered: over shm it moves it
+into shared memory (torch swaps the storage under every view of it, so vLLM's kernels write
+into shared memory from then on); over NIXL it registers it with its agent.
 A handed-off request's blocks stay held until the decode acknowledges or the lease ends.
 Its ticket is a header-only staging region, which the prefill invalidates before vLLM may
 reuse the blocks; the decode checks it before and after its copy (`tickets.checked_region`),

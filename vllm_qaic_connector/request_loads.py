@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from vllm_qaic_connector.direct_reads import (
     owner_of,
     plan_cache_reads,
 )
-from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, copy_tokens, get_layout
 from vllm_qaic_connector.loader import WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec
@@ -171,15 +172,21 @@ class RequestLoads:
         return self._loaded(spec, ranks, copied, t0, reads)
 
     def _direct(self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate) -> LoadResult:
-        """Copies the prompt's blocks out of the prefill rank's KV cache (mapped shm, or
-        NIXL READs into our blocks), inside a check of the ticket's header-only region."""
+        """Copies the prompt's blocks out of the prefill rank's KV cache (mapped shm, in
+        any layout and block size; or NIXL READs of whole blocks into ours), inside a check of
+        the ticket's header-only region."""
         remote, cache, transport = spec.remote, self.cache, self.transport
         assert remote is not None
         tp_rank = self.identity.tp_rank
         src = ranks[tp_rank] if len(ranks) == self.identity.tp_size else None
         problem = direct_problem(src, self.ours, len(ranks)) if src else "TP sizes differ"
-        if problem is None and remote.staged_block_size != cache.geometry.block_size:
-            problem = "the ticket's block size is not ours"
+        if (
+            problem is None
+            and src is not None
+            and (remote.staged_layout, remote.staged_block_size)
+            != (src.layout_kind, src.block_size)
+        ):
+            problem = "the ticket's format is not the prefill's"  # block_ids are in it
         t0, bs = time.monotonic(), cache.geometry.block_size
         first, end, ours, theirs = spec.start(0), spec.end, spec.block_ids[0], remote.block_ids
         if problem is None and first % bs and transport.kind == "nixl":
@@ -206,14 +213,16 @@ class RequestLoads:
                     reads + len(runs),
                 )
             else:
-                mapped = self.direct.peer(owner_of(src), src.cache, cache.layout, cache.geometry)
+                geometry = dataclasses.replace(cache.geometry, block_size=src.block_size)
+                layout = get_layout(src.layout_kind)
+                mapped = self.direct.peer(owner_of(src), src.cache, layout, geometry)
                 copied = (
-                    sum(  # the first block is partly ours already
+                    self.direct.copy(mapped, theirs[lo:hi], cache.tensors, ours[lo:hi])
+                    if (layout, geometry) == (cache.layout, cache.geometry) and not first % bs
+                    else sum(  # converted, or the first block is partly ours already
                         copy_tokens(s, theirs, d, ours, first, end)
                         for s, d in zip(mapped.layers, cache.layers, strict=True)
                     )
-                    if first % bs
-                    else self.direct.copy(mapped, theirs[lo:hi], cache.tensors, ours[lo:hi])
                 )
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)

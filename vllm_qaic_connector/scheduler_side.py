@@ -387,7 +387,8 @@ class SchedulerSide:
         self, rid: str, params: dict[str, Any], since: float
     ) -> StagingTarget | None:
         """The named decode's format; our own if none is named or it cannot be reached in
-        time (the decode then converts on receive). None while the handshake is pending."""
+        time (the decode then converts on receive), or where it reads our cache directly
+        (it converts as it copies). None while the handshake is pending."""
         own = StagingTarget(self._ranks[0].layout_kind if self._ranks else "", self.block_size)
         host, port = params.get("decode_host"), params.get("decode_port")
         if host is None and port is None:
@@ -409,8 +410,9 @@ class SchedulerSide:
             return own
         if len(found) != len(self._ranks):
             return own  # head shards differ: the decode regroups heads on receive
-        direct = not direct_problem(self._ranks[0], found[0], len(self._ranks))
-        return StagingTarget(found[0].layout_kind, found[0].block_size, direct)
+        if not direct_problem(self._ranks[0], found[0], len(self._ranks)):
+            return dataclasses.replace(own, direct=True)  # block_ids: ours, in our format
+        return StagingTarget(found[0].layout_kind, found[0].block_size)
 
     def _staging_format(
         self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]

@@ -110,12 +110,13 @@ def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int)
         return "the prefill does not share its KV cache"
     if not decode.host:
         return "the decode does not read caches directly"
-    if (prefill.layout_kind, prefill.block_size) != (decode.layout_kind, decode.block_size):
-        return "layouts or block sizes differ"
     if prefill_tp != decode.tp_size:
         return "TP sizes differ"
     if prefill.endpoint.kind != decode.endpoint.kind:
         return "transports differ"
+    formats = [(r.layout_kind, r.block_size) for r in (prefill, decode)]
+    if formats[0] != formats[1] and prefill.endpoint.kind == "nixl":  # shm copies convert
+        return "layouts or block sizes differ (NIXL reads move whole blocks)"
     if prefill.cache.path and prefill.cache.host != decode.host:
         return "not the same host, PID namespace and user"
     return None
