@@ -82,10 +82,11 @@ def test_a_flipped_bit_on_any_path_fails_the_run() -> None:
 def test_a_copy_that_drops_the_last_token_is_caught(
     key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = bench.copy_tokens
+    def one_token_short(real):
+        def short(src, src_blocks, dst, dst_blocks, t0, t1, *rest):
+            return real(src, src_blocks, dst, dst_blocks, t0, t1 - 1, *rest)
 
-    def short(src, src_blocks, dst, dst_blocks, t0, t1, *rest):
-        return real(src, src_blocks, dst, dst_blocks, t0, t1 - 1, *rest)
+        return short
 
     def short_ranges(src, src_base, dst, dst_base, runs, itemsize):  # direct: no last block
         s0, d0, n = runs[-1]
@@ -93,7 +94,9 @@ def test_a_copy_that_drops_the_last_token_is_caught(
         return real_ranges(src, src_base, dst, dst_base, runs, itemsize)
 
     real_ranges = direct_reads.block_ranges
-    monkeypatch.setattr(bench, "copy_tokens", short)
+    monkeypatch.setattr(bench, "copy_tokens", one_token_short(bench.copy_tokens))
+    converting = one_token_short(direct_reads.copy_layers)  # a direct copy between formats
+    monkeypatch.setattr(direct_reads, "copy_layers", converting)
     monkeypatch.setattr(direct_reads, "block_ranges", short_ranges)
     shape = bench.Shape(LAYERS, HEADS, HEAD_DIM, torch.float16)
     with pytest.raises(bench.Mismatch, match=f"{2 * LAYERS} of {2 * LAYERS} planes differ"):

@@ -238,9 +238,8 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         def move() -> None:
             if path.prefill == path.decode:
                 direct.copy(mapped, src_blocks, decode_layers, dst_blocks)
-            else:  # as the worker converts: copy_tokens out of the mapped views
-                for s, d in zip(mapped.layers, dst, strict=True):
-                    copy_tokens(s, src_blocks, d, dst_blocks, 0, n)
+            else:
+                direct.convert(mapped, src_blocks, dst, dst_blocks, 0, n)
 
     peer, notify = owner.endpoint(), b"ack" if reader.delivers_notifications else None
 

@@ -35,6 +35,7 @@ from vllm_qaic_connector.layout import (
     KVLayout,
     block_ranges,
     block_runs,
+    copy_layers,
 )
 from vllm_qaic_connector.stream_copy import copy_ranges, copy_threads
 from vllm_qaic_connector.transports.base import KVTransport
@@ -261,6 +262,28 @@ class DirectReader:
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
         second = self._pool.submit(copy_ranges, frm[half:], to[half:], sizes[half:])
         return copy_ranges(frm[:half], to[:half], sizes[:half]) + second.result()
+
+    def convert(
+        self,
+        src: PeerCache,
+        src_blocks: Sequence[int],
+        dst: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        dst_blocks: Sequence[int],
+        t0: int,
+        t1: int,
+    ) -> int:
+        """`copy_layers`: tokens ``[t0, t1)`` from every layer of ``src`` into our
+        canonical views ``dst``, in any layout and block size; a second thread takes the
+        second half of the layers."""
+
+        def layers(lo: int, hi: int) -> int:
+            return copy_layers(src.layers[lo:hi], src_blocks, dst[lo:hi], dst_blocks, t0, t1)
+
+        if self._pool is None:
+            return layers(0, len(dst))
+        half = len(dst) // 2
+        second = self._pool.submit(layers, half, len(dst))
+        return layers(0, half) + second.result()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -164,10 +164,13 @@ class HeadRange:
     dst_start: int = 0
 
 
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
 def copy_tokens(
-    src: tuple[torch.Tensor, torch.Tensor],
+    src: KV,
     src_blocks: Sequence[int],
-    dst: tuple[torch.Tensor, torch.Tensor],
+    dst: KV,
     dst_blocks: Sequence[int],
     t0: int,
     t1: int,
@@ -179,37 +182,65 @@ def copy_tokens(
     ``src_blocks[i]`` / ``dst_blocks[i]`` is the physical block holding logical block i.
     Returns the number of bytes written.
     """
-    src_bs, dst_bs = src[0].shape[2], dst[0].shape[2]
-    if src[0].shape[3] != dst[0].shape[3] or src[0].dtype != dst[0].dtype:  # bytes are copied
-        raise ValueError(f"head size or dtype differs: {src[0][0, 0].shape} {src[0].dtype} vs "
-                         f"{dst[0][0, 0].shape} {dst[0].dtype}")  # fmt: skip
-    h = heads or HeadRange(0, src[0].shape[1])
+    return copy_layers([src], src_blocks, [dst], dst_blocks, t0, t1, heads, dst_t0)
+
+
+def copy_layers(
+    src: Sequence[KV],
+    src_blocks: Sequence[int],
+    dst: Sequence[KV],
+    dst_blocks: Sequence[int],
+    t0: int,
+    t1: int,
+    heads: HeadRange | None = None,
+    dst_t0: int | None = None,
+) -> int:
+    """`copy_tokens` for every layer pair of ``src`` and ``dst``: where the native row copy
+    applies and the layers share strides (one allocation, as vLLM makes them), one call
+    covers every layer, so the Python cost is per plan step, not per layer."""
+    k, k_out = src[0][0], dst[0][0]
+    src_bs, dst_bs = k.shape[2], k_out.shape[2]
+    if k.shape[3] != k_out.shape[3] or k.dtype != k_out.dtype:  # bytes are copied
+        raise ValueError(f"head size or dtype differs: {k[0, 0].shape} {k.dtype} vs "
+                         f"{k_out[0, 0].shape} {k_out.dtype}")  # fmt: skip
+    h = heads or HeadRange(0, k.shape[1])
     nh = h.stop - h.start
-    if h.dst_start + nh > dst[0].shape[1] or h.stop > src[0].shape[1]:
-        raise ValueError(f"head range {h} does not fit {src[0].shape[1]}->{dst[0].shape[1]}")
-    ints = _INTS[dst[0].element_size()]
+    if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
+        raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
+    ints = _INTS[k_out.element_size()]
     plan = _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks))
     for so, do, n, src_ids, dst_ids in plan:
-        for s, d in zip(src, dst, strict=True):
-            s_ = s[:, h.start : h.stop, so : so + n]
-            d_ = d[:, h.dst_start : h.dst_start + nh, do : do + n]
-            if s.device.type != "cpu" or d.device.type != "cpu":  # an accelerator's memory
-                d_[dst_ids] = s_[src_ids].to(d.device)
-            elif NATIVE and (rows := block_rows(s_, d_)) is not None:
+        to_staging = isinstance(dst_ids, slice) and not isinstance(src_ids, slice)
+        for plane in (0, 1):
+            s_ = [s[plane][:, h.start : h.stop, so : so + n] for s in src]
+            d_ = [d[plane][:, h.dst_start : h.dst_start + nh, do : do + n] for d in dst]
+            rows = block_rows(s_[0], d_[0]) if NATIVE and _one_cpu_shape(s_, d_) else None
+            if rows and (rows.chunk >= MIN_GATHER_ROW_BYTES or not to_staging):
                 copy_blocks(_addresses(s_, src_ids), _addresses(d_, dst_ids), rows)
-            elif isinstance(dst_ids, slice) and not isinstance(src_ids, slice):  # to staging
-                torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place
-            else:
-                # torch's scatters (index_put_, index_copy_) go element by element, and its
-                # strided copies trail numpy's on K transposed (vllm_cpu). Numpy on
-                # same-size ints: any dtype, any strides, whole slices at a time.
-                into = dst_ids if isinstance(dst_ids, slice) else dst_ids.numpy()
-                d_.view(ints).numpy()[into] = s_[src_ids].view(ints).numpy()
-    return 2 * nh * (t1 - t0) * src[0].shape[3] * src[0].element_size()
+                continue
+            for one_src, one_dst in zip(s_, d_, strict=True):
+                _copy_blocks_of(one_src, src_ids, one_dst, dst_ids, ints)
+    return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(src)
+
+
+def _copy_blocks_of(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
+                    ints: torch.dtype) -> None:  # fmt: skip
+    if s_.device.type != "cpu" or d_.device.type != "cpu":  # an accelerator's memory
+        d_[dst_ids] = s_[src_ids].to(d_.device)
+    elif isinstance(dst_ids, slice) and isinstance(src_ids, torch.Tensor):  # to staging
+        torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place
+    else:
+        # torch's scatters (index_put_, index_copy_) go element by element, and its
+        # strided copies trail numpy's on K transposed (vllm_cpu). Numpy on
+        # same-size ints: any dtype, any strides, whole slices at a time.
+        into = dst_ids if isinstance(dst_ids, slice) else dst_ids.numpy()
+        d_.view(ints).numpy()[into] = s_[src_ids].view(ints).numpy()
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-MIN_ROW_BYTES = 512  # shorter rows (NHD<->HND: a head, 256 B; K transposed: 2 B): numpy
+# Shorter rows (K transposed: 2 B) copy faster through numpy. Into staging, torch's
+# index_select gathers a head's 256 B rows (NHD -> HND) faster than our calls per block.
+MIN_ROW_BYTES, MIN_GATHER_ROW_BYTES = 256, 512
 
 
 @dataclass(frozen=True)
@@ -243,14 +274,25 @@ def block_rows(src: torch.Tensor, dst: torch.Tensor) -> BlockRows | None:
     return BlockRows(na, nb, chunk * item, da * item, db * item, sa * item, sb * item)
 
 
-def _addresses(view: torch.Tensor, ids: _Index) -> np.ndarray:
-    """Byte addresses of blocks ``ids`` of ``view``; they must lie inside it (copied by
-    address, so nothing else checks them)."""
-    n = view.shape[0]
+def _one_cpu_shape(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> bool:
+    """Every view on the CPU with its side's first view's shape and strides."""
+    return all(
+        t.device.type == "cpu" and (t.shape, t.stride()) == (side[0].shape, side[0].stride())
+        for side in (src, dst)
+        for t in side
+    )
+
+
+def _addresses(views: Sequence[torch.Tensor], ids: _Index) -> np.ndarray:
+    """Byte addresses of blocks ``ids`` of every view (of one shape and strides), view by
+    view; the ids must lie inside them (copied by address, so nothing else checks them)."""
+    n = views[0].shape[0]
     at = np.arange(ids.start, ids.stop, ids.step) if isinstance(ids, slice) else ids.numpy()
     if len(at) and not 0 <= int(at.min()) <= int(at.max()) < n:
         raise IndexError(f"block ids {int(at.min())}..{int(at.max())} outside 0..{n - 1}")
-    return (view.data_ptr() + at * (view.stride(0) * view.element_size())).astype(np.uint64)
+    offsets = at * (views[0].stride(0) * views[0].element_size())
+    bases = np.array([v.data_ptr() for v in views], dtype=np.int64)
+    return np.add.outer(bases, offsets).ravel().astype(np.uint64)
 
 
 _Index = torch.Tensor | slice  # physical blocks; a slice where evenly spaced, as staged

@@ -219,11 +219,8 @@ class RequestLoads:
                 copied = (
                     self.direct.copy(mapped, theirs[lo:hi], cache.tensors, ours[lo:hi])
                     if (layout, geometry) == (cache.layout, cache.geometry) and not first % bs
-                    else sum(  # converted, or the first block is partly ours already
-                        copy_tokens(s, theirs, d, ours, first, end)
-                        for s, d in zip(mapped.layers, cache.layers, strict=True)
-                    )
-                )
+                    else self.direct.convert(mapped, theirs, cache.layers, ours, first, end)
+                )  # converted, or the first block is partly ours already
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)
         return self._loaded(spec, ranks, copied, t0, reads, direct=True)
