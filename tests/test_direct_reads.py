@@ -99,6 +99,35 @@ torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), 
     assert nbytes == LAYERS * 10 * GEO.bytes_per_block
 
 
+@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_nhd"])
+@pytest.mark.parametrize("layers", [1, LAYERS])
+def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
+    """Out of the mapped cache (16-token blocks) into HND 8-token blocks, from a token
+    inside a block: every layer's tokens equal, with one layer or several (two threads)."""
+    _, prefill = vllm_like_cache(kind)
+    cache = share_kv_cache(prefill)
+    assert cache is not None
+    gen = torch.Generator().manual_seed(11)
+    for t in prefill:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    src_blocks = torch.randperm(BLOCKS, generator=gen)[:10].tolist()
+    ours, hnd = KVGeometry(2, 32, 8, torch.float16), get_layout("cuda_hnd")
+    decode = [hnd.kv_views(hnd.allocate(24, ours), ours) for _ in range(layers)]
+    dst_blocks = torch.randperm(24, generator=gen)[:19].tolist()
+    reader = DirectReader()
+    try:
+        mapped = reader.peer("prefill/0", cache, get_layout(kind), GEO)
+        copied = reader.convert(mapped, src_blocks, decode, dst_blocks, 5, TOKENS)
+    finally:
+        reader.close()
+    assert copied == layers * 2 * 2 * 32 * 2 * (TOKENS - 5)
+    for t, kv in zip(prefill[:layers], decode, strict=True):
+        want = gather_tokens(get_layout(kind).kv_views(t, GEO), src_blocks, TOKENS)
+        got = gather_tokens(kv, dst_blocks, TOKENS)
+        for w, g in zip(want, got, strict=True):
+            assert torch.equal(w[:, 5:], g[:, 5:]) and not g[:, :5].any()
+
+
 def test_a_cache_that_would_not_fit_twice_in_dev_shm_stays_put(monkeypatch, caplog):
     """Past its size a tmpfs answers a write with SIGBUS: too little room means staging."""
     raw, layers = vllm_like_cache("vllm_cpu")

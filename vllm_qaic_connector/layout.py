@@ -198,6 +198,8 @@ def copy_layers(
     """`copy_tokens` for every layer pair of ``src`` and ``dst``: where the native row copy
     applies and the layers share strides (one allocation, as vLLM makes them), one call
     covers every layer, so the Python cost is per plan step, not per layer."""
+    if not src or not dst:
+        return 0
     k, k_out = src[0][0], dst[0][0]
     src_bs, dst_bs = k.shape[2], k_out.shape[2]
     if k.shape[3] != k_out.shape[3] or k.dtype != k_out.dtype:  # bytes are copied
