@@ -2,8 +2,9 @@
 
 Endpoint: ``address`` is ``"<agent name>@0x<staging base address>"`` (split at the last ``@``)
 and ``agent_metadata`` is the agent's ``get_agent_metadata()``, so a reader needs no metadata
-server or listener. A read is ONE descriptor, the peer's contiguous ``[base+offset, +nbytes)``,
-into a slice of a local registered receive arena: NIXL's cost is per descriptor.
+server or listener. A read is ONE transfer of the peer's contiguous ``[base+offset, +nbytes)``
+into a slice of a local registered receive arena, in `PIECE`-sized descriptors: NIXL's cost
+is per descriptor, and past 1 MiB a larger one is no faster.
 
 Progress: over TCP, and for the notification a READ may carry, UCX needs the *target* to
 progress its worker, or the reader's transfer stays in PROC. nixl's C++ progress thread does
