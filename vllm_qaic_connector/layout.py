@@ -221,11 +221,11 @@ def copy_layers(
                 copy_blocks(_addresses(s_, src_ids), _addresses(d_, dst_ids), rows)
                 continue
             for one_src, one_dst in zip(s_, d_, strict=True):
-                _copy_blocks_of(one_src, src_ids, one_dst, dst_ids, ints)
+                _copy_one_layer(one_src, src_ids, one_dst, dst_ids, ints)
     return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(src)
 
 
-def _copy_blocks_of(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
+def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
                     ints: torch.dtype) -> None:  # fmt: skip
     if s_.device.type != "cpu" or d_.device.type != "cpu":  # an accelerator's memory
         d_[dst_ids] = s_[src_ids].to(d_.device)
