@@ -9,7 +9,7 @@ setup(
         Extension(
             "vllm_qaic_connector._stream_copy",
             ["vllm_qaic_connector/_stream_copy.c"],
-            extra_compile_args=["-O2"],
+            extra_compile_args=["-O3"],
             optional=True,
         )
     ]

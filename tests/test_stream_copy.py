@@ -14,6 +14,7 @@ from vllm_qaic_connector.layout import (
     KVGeometry,
     block_ranges,
     block_runs,
+    gather_tokens,
     get_layout,
 )
 
@@ -103,12 +104,18 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     src_kind, dst_kind, monkeypatch
 ):
     """Re-blocked (16 -> 8), shifted, a head range, shuffled blocks: the native row copies
-    and numpy's must leave identical caches; same-layout copies must go native."""
+    and numpy's must leave identical caches; same-layout copies must go native, and so
+    must vllm_cpu's transposed K against any other layout."""
     calls: list[layout.BlockRows] = []
+    tiles: list[layout.BlockTiles] = []
 
     def counted(src: np.ndarray, dst: np.ndarray, rows: layout.BlockRows) -> None:
         calls.append(rows)
         stream_copy.copy_blocks(src, dst, rows)
+
+    def counted_tiles(src: np.ndarray, dst: np.ndarray, t: layout.BlockTiles) -> None:
+        tiles.append(t)
+        stream_copy.copy_tiles(src, dst, t)
 
     src_geo = KVGeometry(num_heads=4, head_size=64, block_size=16, dtype=torch.float16)
     dst_geo = KVGeometry(num_heads=2, head_size=64, block_size=8, dtype=torch.float16)
@@ -119,6 +126,7 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     for native in (True, False):
         monkeypatch.setattr(layout, "NATIVE", native)
         monkeypatch.setattr(layout, "copy_blocks", counted)
+        monkeypatch.setattr(layout, "copy_tiles", counted_tiles)
         dst = get_layout(dst_kind).allocate(16, dst_geo)
         views = (get_layout(src_kind).kv_views(src, src_geo),
                  get_layout(dst_kind).kv_views(dst, dst_geo))  # fmt: skip
@@ -129,6 +137,32 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     assert results[0].any()
     if src_kind == dst_kind and src_kind in ("cuda_hnd", "qaic_slot"):  # a head's tokens
         assert calls and all(r.chunk >= layout.MIN_ROW_BYTES for r in calls)
+    assert bool(tiles) == ((src_kind == "vllm_cpu") != (dst_kind == "vllm_cpu"))
+
+
+@pytest.mark.parametrize("into_cpu", [False, True])
+def test_vllm_cpu_keys_are_transposed_natively_to_and_from_a_slot(into_cpu):
+    """Whole 128 x 128 key blocks (the in-cache 8 x 8 transposes) and a partial last block
+    (element by element): every token as the reference gather reads it."""
+    cpu, slot = get_layout("vllm_cpu"), get_layout("qaic_slot")
+    cpu_geo = KVGeometry(num_heads=2, head_size=128, block_size=128, dtype=torch.bfloat16)
+    slot_geo = KVGeometry(num_heads=2, head_size=128, block_size=512, dtype=torch.bfloat16)
+    n, cpu_blocks = 300, [4, 0, 2]
+    gen = torch.Generator().manual_seed(5)
+    layers = [cpu.allocate(5, cpu_geo), slot.allocate(2, slot_geo)]
+    src_i = 1 if into_cpu else 0
+    layers[src_i].view(torch.int16).copy_(
+        torch.randint(-(2**15), 2**15, layers[src_i].shape, dtype=torch.int16, generator=gen)
+    )
+    cpu_kv, slot_kv = cpu.kv_views(layers[0], cpu_geo), slot.kv_views(layers[1], slot_geo)
+    if into_cpu:
+        layout.copy_tokens(slot_kv, [1], cpu_kv, cpu_blocks, 0, n)
+    else:
+        layout.copy_tokens(cpu_kv, cpu_blocks, slot_kv, [1], 0, n)
+    for want, got in zip(gather_tokens(cpu_kv, cpu_blocks, n), gather_tokens(slot_kv, [1], n),
+                         strict=True):  # fmt: skip
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16))
+        assert want.view(torch.int16).any()
 
 
 def test_block_ids_outside_the_cache_are_refused_before_a_native_copy():

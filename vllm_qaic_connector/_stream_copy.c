@@ -121,6 +121,134 @@ static PyObject *py_copy_blocks(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* Block i's elements [o][r][c] of `item` bytes at base + o * stride_o + r * stride_r +
+ * c * stride_c on either side: a transpose (vLLM CPU's K is stored [head_dim, tokens]),
+ * which rows cannot express. */
+typedef struct {
+    Py_ssize_t n_o, n_r, n_c, item, dst_o, dst_r, dst_c, src_o, src_r, src_c;
+} tiles_t;
+
+#define TILE 32 /* elements: a square of them keeps both sides' lines in L1 */
+#define COPY_TILES(T)                                                                      \
+    for (Py_ssize_t r0 = 0; r0 < t->n_r; r0 += TILE) {                                     \
+        Py_ssize_t r1 = r0 + TILE < t->n_r ? r0 + TILE : t->n_r;                           \
+        for (Py_ssize_t c0 = 0; c0 < t->n_c; c0 += TILE) {                                 \
+            Py_ssize_t c1 = c0 + TILE < t->n_c ? c0 + TILE : t->n_c;                       \
+            for (Py_ssize_t r = r0; r < r1; r++)                                           \
+                for (Py_ssize_t c = c0; c < c1; c++)                                       \
+                    *(T *)(d + r * t->dst_r + c * t->dst_c) =                              \
+                        *(const T *)(s + r * t->src_r + c * t->src_c);                     \
+        }                                                                                  \
+    }
+
+static void copy_strided(char *d, const char *s, const tiles_t *t) {
+    switch (t->item) {
+    case 1: COPY_TILES(uint8_t) break;
+    case 2: COPY_TILES(uint16_t) break;
+    case 4: COPY_TILES(uint32_t) break;
+    default: COPY_TILES(uint64_t) break;
+    }
+}
+
+#if defined(__SSE2__)
+#define BOUNCE 65536
+
+/* A dense n_c x n_r matrix of 2-byte elements (row length n_r) to its dense transpose, 8 x 8
+ * at a time: eight 16-byte loads, three rounds of unpacks, eight 16-byte stores. */
+static void transpose_2byte(char *d, const char *s, Py_ssize_t n_r, Py_ssize_t n_c) {
+    for (Py_ssize_t r0 = 0; r0 < n_r; r0 += 8) {
+        for (Py_ssize_t c0 = 0; c0 < n_c; c0 += 8) {
+            __m128i a[8], b[8], e[8];
+            for (int j = 0; j < 8; j++)
+                a[j] = _mm_load_si128((const __m128i *)(s + ((c0 + j) * n_r + r0) * 2));
+            for (int j = 0; j < 4; j++) {
+                b[j] = _mm_unpacklo_epi16(a[2 * j], a[2 * j + 1]);
+                b[j + 4] = _mm_unpackhi_epi16(a[2 * j], a[2 * j + 1]);
+            }
+            for (int j = 0; j < 2; j++) {
+                e[j] = _mm_unpacklo_epi32(b[2 * j], b[2 * j + 1]);
+                e[j + 2] = _mm_unpackhi_epi32(b[2 * j], b[2 * j + 1]);
+                e[j + 4] = _mm_unpacklo_epi32(b[4 + 2 * j], b[4 + 2 * j + 1]);
+                e[j + 6] = _mm_unpackhi_epi32(b[4 + 2 * j], b[4 + 2 * j + 1]);
+            }
+            for (int j = 0; j < 4; j++) {
+                __m128i lo = _mm_unpacklo_epi64(e[2 * j], e[2 * j + 1]);
+                __m128i hi = _mm_unpackhi_epi64(e[2 * j], e[2 * j + 1]);
+                _mm_store_si128((__m128i *)(d + ((r0 + 2 * j) * n_c + c0) * 2), lo);
+                _mm_store_si128((__m128i *)(d + ((r0 + 2 * j + 1) * n_c + c0) * 2), hi);
+            }
+        }
+    }
+}
+
+/* Whether one [r][c] matrix of 2-byte elements, read along r and written along c, fits the
+ * bounce buffers in 8 x 8 tiles. */
+static int transposes_in_cache(const tiles_t *t) {
+    return t->item == 2 && t->src_r == 2 && t->dst_c == 2 && t->n_r % 8 == 0 &&
+           t->n_c % 8 == 0 && t->n_r * t->n_c * 2 <= BOUNCE;
+}
+
+/* Strided 16-byte reads and writes in memory defeat the prefetcher and read every line
+ * they write; in L1 they cost little. So: source rows in order into one buffer, transpose
+ * into another, stream its rows out. About 4x numpy's strided copy. */
+static void transpose_via_cache(char *d, const char *s, const tiles_t *t, char *in, char *out) {
+    size_t src_row = (size_t)t->n_r * 2, dst_row = (size_t)t->n_c * 2;
+    for (Py_ssize_t c = 0; c < t->n_c; c++) memcpy(in + c * src_row, s + c * t->src_c, src_row);
+    transpose_2byte(out, in, t->n_r, t->n_c);
+    for (Py_ssize_t r = 0; r < t->n_r; r++) {
+        char *row = d + r * t->dst_r;
+        size_t head = aligned_head(row, dst_row);
+        memcpy(row, out + r * dst_row, head);
+        stream_part(row, out + r * dst_row, head, dst_row);
+    }
+}
+#endif
+
+static void copy_tiles(const uint64_t *dst, const uint64_t *src, size_t n, const tiles_t *t) {
+#if defined(__SSE2__)
+    static __thread char bounce[2][BOUNCE] __attribute__((aligned(64)));
+    int fast = transposes_in_cache(t);
+#endif
+    for (size_t i = 0; i < n; i++) {
+        for (Py_ssize_t o = 0; o < t->n_o; o++) {
+            char *d = (char *)(uintptr_t)dst[i] + o * t->dst_o;
+            const char *s = (const char *)(uintptr_t)src[i] + o * t->src_o;
+#if defined(__SSE2__)
+            if (fast) {
+                transpose_via_cache(d, s, t, bounce[0], bounce[1]);
+                continue;
+            }
+#endif
+            copy_strided(d, s, t);
+        }
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
+static PyObject *py_copy_tiles(PyObject *self, PyObject *args) {
+    Py_buffer dst, src;
+    tiles_t t;
+    if (!PyArg_ParseTuple(args, "y*y*nnnnnnnnnn", &dst, &src, &t.n_o, &t.n_r, &t.n_c, &t.item,
+                          &t.dst_o, &t.dst_r, &t.dst_c, &t.src_o, &t.src_r, &t.src_c))
+        return NULL;
+    PyObject *result = NULL;
+    int item_ok = t.item == 1 || t.item == 2 || t.item == 4 || t.item == 8;
+    if (dst.len != src.len || dst.len % sizeof(uint64_t) || !item_ok || t.n_o < 0 || t.n_r < 0 || t.n_c < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_tiles: two uint64 arrays of one length, counts >= 0, item 1/2/4/8");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy_tiles(dst.buf, src.buf, (size_t)dst.len / sizeof(uint64_t), &t);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyObject *py_copy_ranges(PyObject *self, PyObject *args) {
     Py_buffer dst, src, len;
     if (!PyArg_ParseTuple(args, "y*y*y*", &dst, &src, &len)) return NULL;
@@ -149,6 +277,10 @@ static PyMethodDef methods[] = {
      "copy_blocks(dst, src, rows_a, rows_b, chunk, dst_a, dst_b, src_a, src_b): for each "
      "pair of block addresses (uint64 buffers), copies chunk bytes at a * stride_a + "
      "b * stride_b for every row (a, b), with non-temporal stores, the GIL released."},
+    {"copy_tiles", py_copy_tiles, METH_VARARGS,
+     "copy_tiles(dst, src, n_o, n_r, n_c, item, dst_o, dst_r, dst_c, src_o, src_r, src_c): "
+     "for each pair of block addresses, copies n_o x n_r x n_c elements of item bytes "
+     "between strided positions, in cache-sized tiles, the GIL released."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,12 +13,12 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
-from vllm_qaic_connector.stream_copy import NATIVE, copy_blocks
+from vllm_qaic_connector.stream_copy import NATIVE, copy_blocks, copy_tiles
 
 
 @dataclass(frozen=True)
@@ -210,19 +210,33 @@ def copy_layers(
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
     ints = _INTS[k_out.element_size()]
-    plan = _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks))
-    for so, do, n, src_ids, dst_ids in plan:
-        to_staging = isinstance(dst_ids, slice) and not isinstance(src_ids, slice)
+    for b in _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks)):
         for plane in (0, 1):
-            s_ = [s[plane][:, h.start : h.stop, so : so + n] for s in src]
-            d_ = [d[plane][:, h.dst_start : h.dst_start + nh, do : do + n] for d in dst]
-            rows = block_rows(s_[0], d_[0]) if NATIVE and _one_cpu_shape(s_, d_) else None
-            if rows and (rows.chunk >= MIN_GATHER_ROW_BYTES or not to_staging):
-                copy_blocks(_addresses(s_, src_ids), _addresses(d_, dst_ids), rows)
+            s_ = [s[plane][:, h.start : h.stop, : b.n] for s in src]
+            d_ = [d[plane][:, h.dst_start : h.dst_start + nh, : b.n] for d in dst]
+            native = _native_plan(s_, d_, b.gathers)
+            if native:
+                frm, to = _addresses(s_, b.src_ids, b.src_at), _addresses(d_, b.dst_ids, b.dst_at)
+                native.copy(frm, to)
                 continue
-            for one_src, one_dst in zip(s_, d_, strict=True):
-                _copy_one_layer(one_src, src_ids, one_dst, dst_ids, ints)
+            for so, do, src_ids, dst_ids in b.parts:
+                for one_src, one_dst in zip(src, dst, strict=True):
+                    s_one = one_src[plane][:, h.start : h.stop, so : so + b.n]
+                    d_one = one_dst[plane][:, h.dst_start : h.dst_start + nh, do : do + b.n]
+                    _copy_one_layer(s_one, src_ids, d_one, dst_ids, ints)
     return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(src)
+
+
+def _native_plan(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], gathers: bool
+) -> BlockRows | BlockTiles | None:
+    """How the native copy moves each block of these views, if it can and is faster."""
+    if not NATIVE or not _one_cpu_shape(src, dst):
+        return None
+    rows = block_rows(src[0], dst[0])
+    if rows:
+        return rows if rows.chunk >= MIN_GATHER_ROW_BYTES or not gathers else None
+    return block_tiles(src[0], dst[0])
 
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
@@ -258,6 +272,47 @@ class BlockRows:
     src_a: int
     src_b: int
 
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        copy_blocks(src, dst, self)
+
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """One block's copy as a transpose: element (o, r, c) of ``item`` bytes at
+    ``o * o_stride + r * r_stride + c * c_stride`` from each block's start (bytes), ``r``
+    contiguous in the source and ``c`` in the destination."""
+
+    n_o: int
+    n_r: int
+    n_c: int
+    item: int
+    dst_o: int
+    dst_r: int
+    dst_c: int
+    src_o: int
+    src_r: int
+    src_c: int
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        copy_tiles(src, dst, self)
+
+
+def block_tiles(src: torch.Tensor, dst: torch.Tensor) -> BlockTiles | None:
+    """How to copy block ``src[i]`` to ``dst[j]`` where one dim is contiguous in the source
+    and another in the destination (K of vllm_cpu, stored transposed, against any other
+    layout). None for anything else."""
+    dims = [(n, a, b) for n, a, b in zip(src.shape[1:], src.stride()[1:], dst.stride()[1:],
+                                         strict=True) if n > 1]  # fmt: skip
+    along_src = [i for i, d in enumerate(dims) if d[1] == 1]
+    along_dst = [i for i, d in enumerate(dims) if d[2] == 1]
+    if len(dims) > 3 or not along_src or not along_dst or along_src == along_dst:
+        return None
+    r, c = dims[along_src[0]], dims[along_dst[0]]
+    o = next((d for i, d in enumerate(dims) if i not in (along_src[0], along_dst[0])), (1, 0, 0))
+    item = src.element_size()
+    strides = (o[2], r[2], c[2], o[1], r[1], c[1])  # destination's, then source's
+    return BlockTiles(o[0], r[0], c[0], item, *(x * item for x in strides))
+
 
 def block_rows(src: torch.Tensor, dst: torch.Tensor) -> BlockRows | None:
     """How to copy block ``src[i]`` to ``dst[j]`` (``[blocks, heads, tokens, head_dim]``
@@ -285,14 +340,15 @@ def _one_cpu_shape(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> 
     )
 
 
-def _addresses(views: Sequence[torch.Tensor], ids: _Index) -> np.ndarray:
-    """Byte addresses of blocks ``ids`` of every view (of one shape and strides), view by
-    view; the ids must lie inside them (copied by address, so nothing else checks them)."""
+def _addresses(views: Sequence[torch.Tensor], ids: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view (of one shape
+    and strides), view by view; the ids must lie inside them (copied by address, so nothing
+    else checks them)."""
     n = views[0].shape[0]
-    at = np.arange(ids.start, ids.stop, ids.step) if isinstance(ids, slice) else ids.numpy()
-    if len(at) and not 0 <= int(at.min()) <= int(at.max()) < n:
-        raise IndexError(f"block ids {int(at.min())}..{int(at.max())} outside 0..{n - 1}")
-    offsets = at * (views[0].stride(0) * views[0].element_size())
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        raise IndexError(f"block ids {int(ids.min())}..{int(ids.max())} outside 0..{n - 1}")
+    item = views[0].element_size()
+    offsets = ids * (views[0].stride(0) * item) + at * (views[0].stride(2) * item)
     bases = np.array([v.data_ptr() for v in views], dtype=np.int64)
     return np.add.outer(bases, offsets).ravel().astype(np.uint64)
 
@@ -300,24 +356,43 @@ def _addresses(views: Sequence[torch.Tensor], ids: _Index) -> np.ndarray:
 _Index = torch.Tensor | slice  # physical blocks; a slice where evenly spaced, as staged
 
 
+class _Batch(NamedTuple):
+    """Runs of one length ``n``: run i copies from token ``src_at[i]`` of block
+    ``src_ids[i]`` to token ``dst_at[i]`` of ``dst_ids[i]``. ``parts`` are the same runs
+    grouped by offsets (source offset, destination offset, blocks, blocks), for the copies
+    that index whole blocks; ``gathers``: every part reads scattered blocks into a range."""
+
+    n: int
+    src_ids: np.ndarray
+    src_at: np.ndarray
+    dst_ids: np.ndarray
+    dst_at: np.ndarray
+    parts: list[tuple[int, int, _Index, _Index]]
+    gathers: bool
+
+
 @functools.lru_cache(maxsize=32)  # every layer of a request copies along the same plan
 def _batches(
     t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None,
     src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...],
-) -> list[tuple[int, int, int, _Index, _Index]]:  # fmt: skip
-    """``copy_tokens``' runs grouped by shape, each group one copy: (source offset,
-    destination offset, length, source blocks, destination blocks). A few groups (one when
-    the block sizes match), however many blocks."""
+) -> list[_Batch]:  # fmt: skip
+    """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
+    (one when the block sizes match or divide), however many blocks."""
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
-    if not len(runs):
-        return []
-    shapes, group = runs[:, 2:].unique(dim=0, return_inverse=True)
     src_ids = torch.tensor(src_blocks, dtype=torch.long)[runs[:, 0]]
     dst_ids = torch.tensor(dst_blocks, dtype=torch.long)[runs[:, 1]]
-    return [
-        (so, do, n, _as_slice(src_ids[group == g]), _as_slice(dst_ids[group == g]))
-        for g, (so, do, n) in enumerate(shapes.tolist())
-    ]
+    batches = []
+    for n in runs[:, 4].unique().tolist():
+        sel = runs[:, 4] == n
+        offsets, group = runs[sel][:, 2:4].unique(dim=0, return_inverse=True)
+        parts = [
+            (so, do, _as_slice(src_ids[sel][group == g]), _as_slice(dst_ids[sel][group == g]))
+            for g, (so, do) in enumerate(offsets.tolist())
+        ]
+        gathers = all(isinstance(d, slice) and not isinstance(s, slice) for _, _, s, d in parts)
+        at, src_n, dst_n = runs[sel].numpy(), src_ids[sel].numpy(), dst_ids[sel].numpy()
+        batches.append(_Batch(n, src_n, at[:, 2], dst_n, at[:, 3], parts, gathers))
+    return batches
 
 
 def _as_slice(idx: torch.Tensor) -> _Index:

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from vllm_qaic_connector.layout import BlockRows
+    from vllm_qaic_connector.layout import BlockRows, BlockTiles
 
 try:
     from vllm_qaic_connector._stream_copy import copy_blocks as _native_blocks
     from vllm_qaic_connector._stream_copy import copy_ranges as _native
+    from vllm_qaic_connector._stream_copy import copy_tiles as _native_tiles
 except ImportError:  # installed without a C compiler
-    _native = _native_blocks = None
+    _native = _native_blocks = _native_tiles = None
 
 NATIVE = _native is not None
 
@@ -36,6 +37,16 @@ def copy_blocks(src: np.ndarray, dst: np.ndarray, rows: BlockRows) -> None:
     _native_blocks(np.ascontiguousarray(dst, dtype=np.uint64),
                    np.ascontiguousarray(src, dtype=np.uint64),
                    r.rows_a, r.rows_b, r.chunk, r.dst_a, r.dst_b, r.src_a, r.src_b)  # fmt: skip
+
+
+def copy_tiles(src: np.ndarray, dst: np.ndarray, tiles: BlockTiles) -> None:
+    """Copies each block at address ``src[i]`` to the block at ``dst[i]`` element by
+    element as ``tiles`` says (native only, like `copy_blocks`)."""
+    assert _native_tiles is not None, "copy_tiles needs the native _stream_copy"
+    t = tiles
+    _native_tiles(np.ascontiguousarray(dst, dtype=np.uint64),
+                  np.ascontiguousarray(src, dtype=np.uint64), t.n_o, t.n_r, t.n_c, t.item,
+                  t.dst_o, t.dst_r, t.dst_c, t.src_o, t.src_r, t.src_c)  # fmt: skip
 
 
 def copy_ranges(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> int:
