@@ -94,7 +94,7 @@ def test_a_copy_that_drops_the_last_token_is_caught(
         return real_ranges(src, src_base, dst, dst_base, runs, itemsize)
 
     real_ranges = direct_reads.block_ranges
-    monkeypatch.setattr(bench, "copy_tokens", one_token_short(bench.copy_tokens))
+    monkeypatch.setattr(bench, "copy_layers", one_token_short(bench.copy_layers))
     converting = one_token_short(direct_reads.copy_layers)  # a direct copy between formats
     monkeypatch.setattr(direct_reads, "copy_layers", converting)
     monkeypatch.setattr(direct_reads, "block_ranges", short_ranges)

@@ -3,13 +3,13 @@
     .venv/bin/python -m vllm_qaic_connector.bench --quick --json rows.json --plot rows.png
 
 A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's KV cache to
-a decode's as the worker does: save (`copy_tokens` into staging under a ticket header), then
-load (`checked_read` through a second transport and `copy_tokens` into shuffled blocks, or
+a decode's as the worker does: save (`copy_layers` into staging under a ticket header), then
+load (`checked_read` through a second transport and `copy_layers` into shuffled blocks, or
 into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
 NIXL agents live in this process; their bytes still go through UCX. The direct path (what
 the worker does when both sides share a host, and over NIXL a format) saves only the ticket;
 its load maps the prefill's cache, moved into shm by `share_kv_cache`, and copies whole
-blocks, or converts them with `copy_tokens` where the formats differ.
+blocks, or converts them with `copy_layers` where the formats differ.
 
 Each (path, tokens) runs once untimed first; after the timed handoffs the decode's KV is
 zeroed, one more handoff runs, and its tokens must equal the prefill's byte for byte (else
@@ -46,7 +46,7 @@ from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
     blocks_for_tokens,
-    copy_tokens,
+    copy_layers,
     gather_tokens,
     get_layout,
 )
@@ -179,8 +179,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     def save() -> None:
         owner.poll_notifications()  # the prefill takes the decode's acknowledgements
         with headers.writing(0, nbytes, GENERATION) as region:
-            for s, d in zip(src, fmt.layer_views(region, n), strict=True):
-                copy_tokens(s, src_blocks, d, staged_blocks, 0, n)
+            copy_layers(src, src_blocks, fmt.layer_views(region, n), staged_blocks, 0, n)
 
     if path.decode == SLOT:
         target = slot_target(shape, n, stack)
@@ -199,8 +198,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         dst, dst_blocks = kv_cache(shape, path.decode, n, gen, fill=False)
 
         def write(views: list[KV]) -> None:
-            for s, d in zip(views, dst, strict=True):
-                copy_tokens(s, staged_blocks, d, dst_blocks, 0, n)
+            copy_layers(views, staged_blocks, dst, dst_blocks, 0, n)
 
     def load() -> None:
         with checked_read(reader, peer, 0, fmt.request_bytes(n), GENERATION, notify) as region:

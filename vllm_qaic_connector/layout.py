@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -225,6 +225,19 @@ def copy_layers(
                     d_one = one_dst[plane][:, h.dst_start : h.dst_start + nh, do : do + b.n]
                     _copy_one_layer(s_one, src_ids, d_one, dst_ids, ints)
     return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(src)
+
+
+def layer_runs(num_layers: int, *keys: Callable[[int], int]) -> list[tuple[tuple[int, ...], slice]]:
+    """Consecutive layers that agree on every key (KV cache group, staging shift): each run
+    is one `copy_layers` call."""
+    runs: list[tuple[tuple[int, ...], slice]] = []
+    for i in range(num_layers):
+        key = tuple(k(i) for k in keys)
+        if runs and runs[-1][0] == key:
+            runs[-1] = (key, slice(runs[-1][1].start, i + 1))
+        else:
+            runs.append((key, slice(i, i + 1)))
+    return runs
 
 
 def _native_plan(

@@ -20,7 +20,7 @@ import msgspec
 import torch
 from msgspec.structs import force_setattr
 
-from vllm_qaic_connector.layout import copy_tokens
+from vllm_qaic_connector.layout import copy_layers
 from vllm_qaic_connector.qaic_buffers import kv_buffer_regex, parse_kv_name
 from vllm_qaic_connector.transports.shm import SharedSegment
 
@@ -202,7 +202,7 @@ class SlotTarget:
     ) -> int:
         """Like ``write_slot`` from canonical views ``[blocks, heads, block_tokens, head_dim]``
         (e.g. ``StagingFormat.layer_views``) and the request's block ids: the slot is one
-        block of ``ctx`` tokens, so this is ``copy_tokens`` into block ``slot``."""
+        block of ``ctx`` tokens, so this is ``copy_layers`` into block ``slot``."""
         self._check_write(slot, len(layer_views), num_tokens)
         for layer, (k, _) in enumerate(layer_views):
             if k.dtype != self.dtype or k.shape[1] != self.num_heads:
@@ -212,10 +212,7 @@ class SlotTarget:
                 )
             if len(blocks) * k.shape[2] < num_tokens:
                 raise ValueError(f"{len(blocks)} blocks of {k.shape[2]} < {num_tokens} tokens")
-        return sum(
-            copy_tokens(src, blocks, self.kv(layer), [slot], 0, num_tokens)
-            for layer, src in enumerate(layer_views)
-        )
+        return copy_layers(layer_views, blocks, self._kv, [slot], 0, num_tokens)
 
     def close(self) -> None:
         """Unlink every segment (idempotent). Views handed out by ``kv``/``buffer`` stay

@@ -18,7 +18,13 @@ from vllm_qaic_connector.direct_reads import (
     owner_of,
     plan_cache_reads,
 )
-from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, copy_tokens, get_layout
+from vllm_qaic_connector.layout import (
+    KVGeometry,
+    blocks_for_tokens,
+    copy_layers,
+    get_layout,
+    layer_runs,
+)
 from vllm_qaic_connector.loader import WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.scheduler_side import LoadSpec
@@ -156,12 +162,12 @@ class RequestLoads:
                 gate.writing(),
             ):
                 views = fmt.layer_views(region, remote.num_tokens)
-                pairs = zip(views, cache.layers, strict=True) if r in kv_heads else ()
-                for i, (src, dst) in enumerate(pairs):  # none: a rank read for its state
-                    t, shift = spec.start(cache.group(i)), fmt.shift(i)
-                    copied += copy_tokens(
-                        src, src_blocks, dst, spec.block_ids[cache.group(i)], t - shift,
-                        spec.end - shift, kv_heads[r], dst_t0=t,
+                runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
+                for (group, shift), layers in runs:  # none: a rank read for its state
+                    t = spec.start(group)
+                    copied += copy_layers(
+                        views[layers], src_blocks, cache.layers[layers], spec.block_ids[group],
+                        t - shift, spec.end - shift, kv_heads[r], dst_t0=t,
                     )  # fmt: skip
                 if cache.state is not None:
                     region_state = fmt.state_region(region, remote.num_tokens)

@@ -32,7 +32,13 @@ from vllm_qaic_connector.kv_groups import (
     layer_groups,
     ordered_layers,
 )
-from vllm_qaic_connector.layout import KVGeometry, KVLayout, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.layout import (
+    KVGeometry,
+    KVLayout,
+    blocks_for_tokens,
+    copy_layers,
+    layer_runs,
+)
 from vllm_qaic_connector.layout_probe import detect_layout
 from vllm_qaic_connector.loader import Loader
 from vllm_qaic_connector.peers import PeerDirectory
@@ -351,12 +357,12 @@ class WorkerSide:
         with self._headers.writing(start, end, spec.generation) as region:
             views = fmt.layer_views(region, spec.num_tokens)
             last = spec.last or spec.num_tokens
-            for i, (src, dst) in enumerate(zip(cache.layers, views, strict=True)):
-                t = max(spec.starts[cache.group(i)], spec.first)  # staged from fmt.shift(i)
+            for (group, shift), layers in layer_runs(len(views), cache.group, fmt.shift):
+                t = max(spec.starts[group], spec.first)  # staged from the shift on
                 if t < last:
-                    written += copy_tokens(
-                        src, spec.block_ids[cache.group(i)], dst, staged_blocks, t, last,
-                        dst_t0=t - fmt.shift(i),
+                    written += copy_layers(
+                        cache.layers[layers], spec.block_ids[group], views[layers],
+                        staged_blocks, t, last, dst_t0=t - shift,
                     )  # fmt: skip
             if cache.state is not None and spec.generation:  # the state after the last token
                 staged_state = fmt.state_region(region, spec.num_tokens)
