@@ -214,7 +214,7 @@ def copy_layers(
         for plane in (0, 1):
             s_ = [s[plane][:, h.start : h.stop, : b.n] for s in src]
             d_ = [d[plane][:, h.dst_start : h.dst_start + nh, : b.n] for d in dst]
-            native = _native_plan(s_, d_, b.gathers)
+            native = _native_plan(s_, d_)
             if native:
                 frm, to = _addresses(s_, b.src_ids, b.src_at), _addresses(d_, b.dst_ids, b.dst_at)
                 native.copy(frm, to)
@@ -241,15 +241,13 @@ def layer_runs(num_layers: int, *keys: Callable[[int], int]) -> list[tuple[tuple
 
 
 def _native_plan(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], gathers: bool
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
 ) -> BlockRows | BlockTiles | None:
-    """How the native copy moves each block of these views, if it can and is faster."""
+    """How the native copy moves each block of these views, where it can and is faster
+    than numpy."""
     if not NATIVE or not _one_cpu_shape(src, dst):
         return None
-    rows = block_rows(src[0], dst[0])
-    if rows:
-        return rows if rows.chunk >= MIN_GATHER_ROW_BYTES or not gathers else None
-    return block_tiles(src[0], dst[0])
+    return block_rows(src[0], dst[0]) or block_tiles(src[0], dst[0])
 
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
@@ -267,9 +265,8 @@ def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Shorter rows (K transposed: 2 B) copy faster through numpy. Into staging, torch's
-# index_select gathers a head's 256 B rows (NHD -> HND) faster than our calls per block.
-MIN_ROW_BYTES, MIN_GATHER_ROW_BYTES = 256, 512
+# Shorter rows copy faster through numpy, unless they are a transpose (`block_tiles`).
+MIN_ROW_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -373,7 +370,7 @@ class _Batch(NamedTuple):
     """Runs of one length ``n``: run i copies from token ``src_at[i]`` of block
     ``src_ids[i]`` to token ``dst_at[i]`` of ``dst_ids[i]``. ``parts`` are the same runs
     grouped by offsets (source offset, destination offset, blocks, blocks), for the copies
-    that index whole blocks; ``gathers``: every part reads scattered blocks into a range."""
+    that index whole blocks."""
 
     n: int
     src_ids: np.ndarray
@@ -381,7 +378,6 @@ class _Batch(NamedTuple):
     dst_ids: np.ndarray
     dst_at: np.ndarray
     parts: list[tuple[int, int, _Index, _Index]]
-    gathers: bool
 
 
 @functools.lru_cache(maxsize=32)  # every layer of a request copies along the same plan
@@ -402,9 +398,8 @@ def _batches(
             (so, do, _as_slice(src_ids[sel][group == g]), _as_slice(dst_ids[sel][group == g]))
             for g, (so, do) in enumerate(offsets.tolist())
         ]
-        gathers = all(isinstance(d, slice) and not isinstance(s, slice) for _, _, s, d in parts)
         at, src_n, dst_n = runs[sel].numpy(), src_ids[sel].numpy(), dst_ids[sel].numpy()
-        batches.append(_Batch(n, src_n, at[:, 2], dst_n, at[:, 3], parts, gathers))
+        batches.append(_Batch(n, src_n, at[:, 2], dst_n, at[:, 3], parts))
     return batches
 
 
