@@ -129,7 +129,7 @@ def get_layout(kind: str) -> KVLayout:
 
 def plan_token_runs(
     t0: int, t1: int, src_block_size: int, dst_block_size: int, dst_t0: int | None = None
-) -> torch.Tensor:
+) -> np.ndarray:
     """Split tokens ``[t0, t1)`` (source positions) into runs that cross no block edge, one
     row each: source block, destination block (indices into the block lists), source
     offset, destination offset, length. Vectorized: no Python step per token or block.
@@ -140,15 +140,15 @@ def plan_token_runs(
         raise ValueError(f"bad token range [{t0}, {t1})")
     shift = (t0 if dst_t0 is None else dst_t0) - t0
     edges = [  # every block edge of either side inside the range, in source positions
-        torch.arange(a - a % bs + bs, max(a - a % bs + bs, a + t1 - t0), bs) - a + t0
+        np.arange(a - a % bs + bs, max(a - a % bs + bs, a + t1 - t0), bs) - a + t0
         for a, bs in ((t0, src_block_size), (t0 + shift, dst_block_size))
     ]
-    bounds = torch.cat([torch.tensor([t0, t1]), *edges]).unique()  # sorted
+    bounds = np.unique(np.concatenate([[t0, t1], *edges]).astype(np.int64))  # sorted
     start, dst = bounds[:-1], bounds[:-1] + shift
-    return torch.stack([
+    return np.stack([
         start // src_block_size, dst // dst_block_size,
-        start % src_block_size, dst % dst_block_size, bounds.diff(),
-    ], dim=1)  # fmt: skip
+        start % src_block_size, dst % dst_block_size, np.diff(bounds),
+    ], axis=1)  # fmt: skip
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
@@ -388,26 +388,27 @@ def _batches(
     """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
     (one when the block sizes match or divide), however many blocks."""
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
-    src_ids = torch.tensor(src_blocks, dtype=torch.long)[runs[:, 0]]
-    dst_ids = torch.tensor(dst_blocks, dtype=torch.long)[runs[:, 1]]
+    src_ids = np.asarray(src_blocks, dtype=np.int64)[runs[:, 0]]
+    dst_ids = np.asarray(dst_blocks, dtype=np.int64)[runs[:, 1]]
     batches = []
-    for n in runs[:, 4].unique().tolist():
+    for n in np.unique(runs[:, 4]).tolist():
         sel = runs[:, 4] == n
-        offsets, group = runs[sel][:, 2:4].unique(dim=0, return_inverse=True)
+        at, src_n, dst_n = runs[sel], src_ids[sel], dst_ids[sel]
+        offsets, group = np.unique(at[:, 2:4], axis=0, return_inverse=True)
+        group = group.reshape(-1)
         parts = [
-            (so, do, _as_slice(src_ids[sel][group == g]), _as_slice(dst_ids[sel][group == g]))
+            (so, do, _as_slice(src_n[group == g]), _as_slice(dst_n[group == g]))
             for g, (so, do) in enumerate(offsets.tolist())
         ]
-        at, src_n, dst_n = runs[sel].numpy(), src_ids[sel].numpy(), dst_ids[sel].numpy()
         batches.append(_Batch(n, src_n, at[:, 2], dst_n, at[:, 3], parts))
     return batches
 
 
-def _as_slice(idx: torch.Tensor) -> _Index:
+def _as_slice(idx: np.ndarray) -> _Index:
     """``idx`` as a slice when it steps evenly upwards (indexing by it makes a view)."""
     step = int(idx[1] - idx[0]) if len(idx) > 1 else 1
-    if step < 1 or not bool((idx.diff() == step).all()):
-        return idx
+    if step < 1 or not bool((np.diff(idx) == step).all()):
+        return torch.from_numpy(idx.copy())
     return slice(int(idx[0]), int(idx[-1]) + 1, step)
 
 
