@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_qaic_connector import bench, direct_reads
+from vllm_qaic_connector import bench, copy_pool, direct_reads
 from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
@@ -94,9 +94,8 @@ def test_a_copy_that_drops_the_last_token_is_caught(
         return real_ranges(src, src_base, dst, dst_base, runs, itemsize)
 
     real_ranges = direct_reads.block_ranges
-    monkeypatch.setattr(bench, "copy_layers", one_token_short(bench.copy_layers))
-    converting = one_token_short(direct_reads.copy_layers)  # a direct copy between formats
-    monkeypatch.setattr(direct_reads, "copy_layers", converting)
+    # staged saves and loads, and direct copies between formats
+    monkeypatch.setattr(copy_pool, "copy_layers", one_token_short(copy_pool.copy_layers))
     monkeypatch.setattr(direct_reads, "block_ranges", short_ranges)
     shape = bench.Shape(LAYERS, HEADS, HEAD_DIM, torch.float16)
     with pytest.raises(bench.Mismatch, match=f"{2 * LAYERS} of {2 * LAYERS} planes differ"):

@@ -17,6 +17,7 @@ from tests.ranks import rank_meta
 from tests.test_scheduler_side import free_blocks, meta, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import direct_reads, side_channel
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     PeerCache,
@@ -77,13 +78,14 @@ def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_pat
     out = tmp_path / "copied.pt"
     script = f"""
 import torch, msgspec
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import DirectReader
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
 from vllm_qaic_connector.wire import SharedCache
 cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
 geo = KVGeometry(2, 32, 16, torch.float16)
 layout = get_layout({kind!r})
-reader = DirectReader()
+reader = DirectReader(CopyPool())
 src = reader.peer("prefill/0", cache, layout, geo)
 ours = [layout.allocate({BLOCKS}, geo) for _ in src.layers]
 dst = [layout.kv_views(t, geo) for t in ours]
@@ -114,7 +116,7 @@ def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     ours, hnd = KVGeometry(2, 32, 8, torch.float16), get_layout("cuda_hnd")
     decode = [hnd.kv_views(hnd.allocate(24, ours), ours) for _ in range(layers)]
     dst_blocks = torch.randperm(24, generator=gen)[:19].tolist()
-    reader = DirectReader()
+    reader = DirectReader(CopyPool())
     try:
         mapped = reader.peer("prefill/0", cache, get_layout(kind), GEO)
         copied = reader.convert(mapped, src_blocks, decode, dst_blocks, 5, TOKENS)
@@ -165,7 +167,7 @@ def test_block_ids_outside_either_cache_are_refused():
     _, layers = vllm_like_cache("vllm_cpu")
     cache = share_kv_cache(layers)
     assert cache is not None
-    reader = DirectReader()
+    reader = DirectReader(CopyPool())
     peer = reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
     ours = [get_layout("vllm_cpu").allocate(4, GEO) for _ in layers]
     with pytest.raises(ValueError, match=f"prefill block ids 0..{BLOCKS} outside 0..{BLOCKS - 1}"):
@@ -188,7 +190,7 @@ print(msgspec.json.encode(share_kv_cache(layers)).decode(), flush=True)
 time.sleep(300)
 """
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    reader = DirectReader()
+    reader = DirectReader(CopyPool())
     try:
         cache = msgspec.json.decode(proc.stdout.readline(), type=SharedCache)
         reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)

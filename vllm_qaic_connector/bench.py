@@ -3,8 +3,9 @@
     .venv/bin/python -m vllm_qaic_connector.bench --quick --json rows.json --plot rows.png
 
 A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's KV cache to
-a decode's as the worker does: save (`copy_layers` into staging under a ticket header), then
-load (`checked_read` through a second transport and `copy_layers` into shuffled blocks, or
+a decode's as the worker does: save (`copy_layers` into staging under a ticket header, the
+layers split over two threads where two cores are usable), then load (`checked_read` through
+a second transport and `copy_layers` into shuffled blocks, or
 into QAIC slot 1 by `SlotTarget.write_slot_from_blocks`, or by `SlotPuller.pull`). Both
 NIXL agents live in this process; their bytes still go through UCX. The direct path (what
 the worker does when both sides share a host, and over NIXL a format) saves only the ticket;
@@ -35,6 +36,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     cache_endpoint,
@@ -46,7 +48,6 @@ from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
     blocks_for_tokens,
-    copy_layers,
     gather_tokens,
     get_layout,
 )
@@ -154,6 +155,12 @@ def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
     return [stack.enter_context(closing(create_transport(kind, n, size, 60.0))) for n in names]
 
 
+def copies(stack: ExitStack) -> CopyPool:
+    pool = CopyPool()
+    stack.callback(pool.close)
+    return pool
+
+
 def slot_target(shape: Shape, n: int, stack: ExitStack) -> SlotTarget:
     """A QAIC decode's KV buffers in shm: two slots of ``n`` tokens."""
     dims, dtype = (2, shape.heads, n, shape.head_dim), str(shape.dtype).removeprefix("torch.")
@@ -175,11 +182,12 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     peer, headers = owner.endpoint(), RegionHeaders(owner.staging)
     staged_blocks = list(range(blocks_for_tokens(n, fmt.geometry.block_size)))
     notify = b"ack" if reader.delivers_notifications else None
+    pool = copies(stack)  # the worker's second copy thread
 
     def save() -> None:
         owner.poll_notifications()  # the prefill takes the decode's acknowledgements
         with headers.writing(0, nbytes, GENERATION) as region:
-            copy_layers(src, src_blocks, fmt.layer_views(region, n), staged_blocks, 0, n)
+            pool.layers(src, src_blocks, fmt.layer_views(region, n), staged_blocks, 0, n)
 
     if path.decode == SLOT:
         target = slot_target(shape, n, stack)
@@ -198,7 +206,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         dst, dst_blocks = kv_cache(shape, path.decode, n, gen, fill=False)
 
         def write(views: list[KV]) -> None:
-            copy_layers(views, staged_blocks, dst, dst_blocks, 0, n)
+            pool.layers(views, staged_blocks, dst, dst_blocks, 0, n)
 
     def load() -> None:
         with checked_read(reader, peer, 0, fmt.request_bytes(n), GENERATION, notify) as region:
@@ -228,7 +236,7 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, blocks))
 
     else:
-        shared, direct = share_kv_cache(prefill_layers), DirectReader()
+        shared, direct = share_kv_cache(prefill_layers), DirectReader(copies(stack))
         assert shared is not None
         stack.callback(direct.close)
         mapped = direct.peer("bench/0", shared, layout, geo)

@@ -21,13 +21,13 @@ import select
 import threading
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.layout import (
     BlockExtents,
     ByteRun,
@@ -35,9 +35,8 @@ from vllm_qaic_connector.layout import (
     KVLayout,
     block_ranges,
     block_runs,
-    copy_layers,
 )
-from vllm_qaic_connector.stream_copy import copy_ranges, copy_threads
+from vllm_qaic_connector.stream_copy import copy_ranges
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.transports.shm import SHM_DIR
@@ -214,11 +213,10 @@ class PeerCache:
 class DirectReader:
     """Peers' caches, mapped once each, and the copy out of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, copies: CopyPool) -> None:
         self._caches: dict[str, PeerCache] = {}
         self._lock = threading.Lock()
-        workers = copy_threads()
-        self._pool = ThreadPoolExecutor(workers - 1) if workers > 1 else None
+        self.copies = copies  # also the staged loads' second thread
 
     def peer(
         self, owner: str, cache: SharedCache, layout: KVLayout, geometry: KVGeometry
@@ -257,11 +255,10 @@ class DirectReader:
         """Copies whole blocks from ``src`` into ``dst``, our layers as vLLM registered them
         (the same layout); a second thread takes the ranges of the second half of the bytes."""
         frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
-        if self._pool is None:
-            return copy_ranges(frm, to, sizes)
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
-        second = self._pool.submit(copy_ranges, frm[half:], to[half:], sizes[half:])
-        return copy_ranges(frm[:half], to[:half], sizes[:half]) + second.result()
+        return self.copies.split(
+            lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]), len(sizes), half
+        )
 
     def convert(
         self,
@@ -275,18 +272,8 @@ class DirectReader:
         """`copy_layers`: tokens ``[t0, t1)`` from every layer of ``src`` into our
         canonical views ``dst``, in any layout and block size; a second thread takes the
         second half of the layers."""
-
-        def layers(lo: int, hi: int) -> int:
-            return copy_layers(src.layers[lo:hi], src_blocks, dst[lo:hi], dst_blocks, t0, t1)
-
-        if self._pool is None:
-            return layers(0, len(dst))
-        half = len(dst) // 2
-        second = self._pool.submit(layers, half, len(dst))
-        return layers(0, half) + second.result()
+        return self.copies.layers(src.layers, src_blocks, dst, dst_blocks, t0, t1)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
         for owner in list(self._caches):
             self.forget(owner)

@@ -20,7 +20,7 @@ import msgspec
 import torch
 from msgspec.structs import force_setattr
 
-from vllm_qaic_connector.layout import copy_layers
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.qaic_buffers import kv_buffer_regex, parse_kv_name
 from vllm_qaic_connector.transports.shm import SharedSegment
 
@@ -118,6 +118,7 @@ class SlotTarget:
 
     def __init__(self, manifest: Manifest, name_prefix: str, kv_cache_prefix: str | None) -> None:
         kv_refs = manifest.kv_buffers(kv_cache_prefix)  # validate before allocating anything
+        self._copies = CopyPool()
         self._segments: list[SharedSegment] = []
         self._buffers: list[dict[str, torch.Tensor]] = []  # per program: name -> shm view
         self._closed = False
@@ -202,7 +203,7 @@ class SlotTarget:
     ) -> int:
         """Like ``write_slot`` from canonical views ``[blocks, heads, block_tokens, head_dim]``
         (e.g. ``StagingFormat.layer_views``) and the request's block ids: the slot is one
-        block of ``ctx`` tokens, so this is ``copy_layers`` into block ``slot``."""
+        block of ``ctx`` tokens, so this is `CopyPool.layers` into block ``slot``."""
         self._check_write(slot, len(layer_views), num_tokens)
         for layer, (k, _) in enumerate(layer_views):
             if k.dtype != self.dtype or k.shape[1] != self.num_heads:
@@ -212,12 +213,13 @@ class SlotTarget:
                 )
             if len(blocks) * k.shape[2] < num_tokens:
                 raise ValueError(f"{len(blocks)} blocks of {k.shape[2]} < {num_tokens} tokens")
-        return copy_layers(layer_views, blocks, self._kv, [slot], 0, num_tokens)
+        return self._copies.layers(layer_views, blocks, self._kv, [slot], 0, num_tokens)
 
     def close(self) -> None:
         """Unlink every segment (idempotent). Views handed out by ``kv``/``buffer`` stay
         valid: they hold the mapping, which goes with the last of them."""
         self._closed = True
+        self._copies.close()
         self._buffers, self._kv = [], []
         for seg in self._segments:
             seg.close()

@@ -21,7 +21,6 @@ from vllm_qaic_connector.direct_reads import (
 from vllm_qaic_connector.layout import (
     KVGeometry,
     blocks_for_tokens,
-    copy_layers,
     get_layout,
     layer_runs,
 )
@@ -165,7 +164,7 @@ class RequestLoads:
                 runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
                 for (group, shift), layers in runs:  # none: a rank read for its state
                     t = spec.start(group)
-                    copied += copy_layers(
+                    copied += self.direct.copies.layers(
                         views[layers], src_blocks, cache.layers[layers], spec.block_ids[group],
                         t - shift, spec.end - shift, kv_heads[r], dst_t0=t,
                     )  # fmt: skip

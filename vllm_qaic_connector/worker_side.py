@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     host_identity,
@@ -36,7 +37,6 @@ from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
     blocks_for_tokens,
-    copy_layers,
     layer_runs,
 )
 from vllm_qaic_connector.layout_probe import detect_layout
@@ -112,7 +112,8 @@ class WorkerSide:
         self._saving: dict[str, Future[None]] = {}  # each request's latest save
         self._await_saves: set[str] = set()  # finished; vLLM holds their blocks for us
         self._headers: RegionHeaders | None = None
-        self._direct = DirectReader()
+        self._copies = CopyPool()
+        self._direct = DirectReader(self._copies)
         self._released_direct: set[str] = set()  # handed off directly; tickets invalidated
         self._load_errors: set[int] = set()
         # With several KV cache groups block ids are not unique, so vLLM takes failed
@@ -360,7 +361,7 @@ class WorkerSide:
             for (group, shift), layers in layer_runs(len(views), cache.group, fmt.shift):
                 t = max(spec.starts[group], spec.first)  # staged from the shift on
                 if t < last:
-                    written += copy_layers(
+                    written += self._copies.layers(
                         cache.layers[layers], spec.block_ids[group], views[layers],
                         staged_blocks, t, last, dst_t0=t - shift,
                     )  # fmt: skip
@@ -427,6 +428,7 @@ class WorkerSide:
             self._loader.shutdown()
             self.loads.shutdown()
         self._direct.close()
+        self._copies.close()
         if self.transport is not None:
             self.transport.close()
             self.transport = None

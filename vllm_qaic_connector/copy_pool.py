@@ -1,0 +1,51 @@
+"""A second thread for big KV copies, where this process may use two cores: one copy
+thread reaches about half of this host's memory bandwidth, two reach most of it. A copy
+splits its work in two and runs one half there; on an engine pinned to one core there is
+no second thread and every copy runs where it is called."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from vllm_qaic_connector.layout import KV, HeadRange, copy_layers
+from vllm_qaic_connector.stream_copy import copy_threads
+
+
+class CopyPool:
+    def __init__(self) -> None:
+        two = copy_threads() > 1
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-copy") if two else None
+
+    def split(self, work: Callable[[int, int], int], n: int, at: int | None = None) -> int:
+        """``work(0, at) + work(at, n)``, the second half on the other thread (``at``
+        defaults to ``n // 2``); ``work`` returns the bytes it copied."""
+        at = n // 2 if at is None else at
+        if self._pool is None or not 0 < at < n:
+            return work(0, n)
+        second = self._pool.submit(work, at, n)
+        return work(0, at) + second.result()
+
+    def layers(
+        self,
+        src: Sequence[KV],
+        src_blocks: Sequence[int],
+        dst: Sequence[KV],
+        dst_blocks: Sequence[int],
+        t0: int,
+        t1: int,
+        heads: HeadRange | None = None,
+        dst_t0: int | None = None,
+    ) -> int:
+        """`copy_layers`, the second half of the layers on the other thread."""
+
+        def part(lo: int, hi: int) -> int:
+            return copy_layers(
+                src[lo:hi], src_blocks, dst[lo:hi], dst_blocks, t0, t1, heads, dst_t0
+            )
+
+        return self.split(part, len(dst))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
