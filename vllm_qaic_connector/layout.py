@@ -265,8 +265,9 @@ def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Shorter rows copy faster through numpy, unless they are a transpose (`block_tiles`).
-MIN_ROW_BYTES = 256
+# Since one native call covers a whole batch of blocks, rows of 16 bytes and up copy 1.3-6x
+# faster natively than through numpy (re-blocking vLLM CPU's K: a row is a block's tokens).
+MIN_ROW_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -331,6 +332,8 @@ def block_rows(src: torch.Tensor, dst: torch.Tensor) -> BlockRows | None:
     item = src.element_size()
     dims = [(n, a, b) for n, a, b in zip(src.shape[1:], src.stride()[1:], dst.stride()[1:],
                                          strict=True) if n > 1]  # fmt: skip
+    # the dim of adjacent elements on both sides (vLLM CPU's K: tokens) starts the row
+    dims = [d for d in dims if d[1:] != (1, 1)] + [d for d in dims if d[1:] == (1, 1)]
     chunk = 1
     while dims and dims[-1][1:] == (chunk, chunk):  # contiguous on both sides so far
         chunk *= dims.pop()[0]
