@@ -47,10 +47,19 @@ def test_ranges_of_any_alignment_and_length_are_copied_exactly(native, monkeypat
     assert np.array_equal(dst, expected) and copied == sum(lengths)
 
 
-def test_address_arrays_of_different_lengths_are_refused():
+def test_address_arrays_of_different_lengths_and_bad_plans_are_refused():
     one = np.zeros(1, dtype=np.uint64)
     with pytest.raises(ValueError, match="one length"):
         stream_copy.copy_ranges(one, one, np.zeros(2, dtype=np.uint64))
+    two = np.zeros(2, dtype=np.uint64)
+    rows = layout.BlockRows(1, 1, 64, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match="one length"):
+        stream_copy.copy_blocks(one, two, rows)
+    tiles = layout.BlockTiles(1, 8, 8, 2, 0, 16, 2, 0, 2, 16)
+    with pytest.raises(ValueError, match="one length"):
+        stream_copy.copy_tiles(one, two, tiles)
+    with pytest.raises(ValueError, match="item 1/2/4/8"):  # 3-byte elements: no such copy
+        stream_copy.copy_tiles(one, one, layout.BlockTiles(1, 8, 8, 3, 0, 24, 3, 0, 3, 24))
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))

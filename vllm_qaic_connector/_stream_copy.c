@@ -100,25 +100,40 @@ static void copy_blocks(const uint64_t *dst, const uint64_t *src, size_t n, cons
 #endif
 }
 
+/* Runs copy(dst, src, n, plan) over two uint64 address buffers of one length, the GIL
+ * released, where `valid` (the plan's own checks) holds; releases both buffers. */
+typedef void (*block_copy_t)(const uint64_t *, const uint64_t *, size_t, const void *);
+
+static PyObject *run_blocks(Py_buffer *dst, Py_buffer *src, int valid, const char *usage,
+                            block_copy_t copy, const void *plan) {
+    PyObject *result = NULL;
+    if (!valid || dst->len != src->len || dst->len % sizeof(uint64_t)) {
+        PyErr_SetString(PyExc_ValueError, usage);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy(dst->buf, src->buf, (size_t)dst->len / sizeof(uint64_t), plan);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
+    }
+    PyBuffer_Release(dst);
+    PyBuffer_Release(src);
+    return result;
+}
+
+static void copy_blocks_of(const uint64_t *dst, const uint64_t *src, size_t n, const void *plan) {
+    copy_blocks(dst, src, n, (const rows_t *)plan);
+}
+
 static PyObject *py_copy_blocks(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     rows_t r;
     if (!PyArg_ParseTuple(args, "y*y*nnnnnnn", &dst, &src, &r.rows_a, &r.rows_b, &r.chunk,
                           &r.dst_a, &r.dst_b, &r.src_a, &r.src_b))
         return NULL;
-    PyObject *result = NULL;
-    if (dst.len != src.len || dst.len % sizeof(uint64_t) || r.rows_a < 0 || r.rows_b < 0 || r.chunk < 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_blocks: two uint64 arrays of one length, counts >= 0");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        copy_blocks(dst.buf, src.buf, (size_t)dst.len / sizeof(uint64_t), &r);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return result;
+    int valid = r.rows_a >= 0 && r.rows_b >= 0 && r.chunk >= 0;
+    return run_blocks(&dst, &src, valid, "copy_blocks: two uint64 arrays of one length, counts >= 0",
+                      copy_blocks_of, &r);
 }
 
 /* Block i's elements [o][r][c] of `item` bytes at base + o * stride_o + r * stride_r +
@@ -227,26 +242,21 @@ static void copy_tiles(const uint64_t *dst, const uint64_t *src, size_t n, const
 #endif
 }
 
+static void copy_tiles_of(const uint64_t *dst, const uint64_t *src, size_t n, const void *plan) {
+    copy_tiles(dst, src, n, (const tiles_t *)plan);
+}
+
 static PyObject *py_copy_tiles(PyObject *self, PyObject *args) {
     Py_buffer dst, src;
     tiles_t t;
     if (!PyArg_ParseTuple(args, "y*y*nnnnnnnnnn", &dst, &src, &t.n_o, &t.n_r, &t.n_c, &t.item,
                           &t.dst_o, &t.dst_r, &t.dst_c, &t.src_o, &t.src_r, &t.src_c))
         return NULL;
-    PyObject *result = NULL;
     int item_ok = t.item == 1 || t.item == 2 || t.item == 4 || t.item == 8;
-    if (dst.len != src.len || dst.len % sizeof(uint64_t) || !item_ok || t.n_o < 0 || t.n_r < 0 || t.n_c < 0) {
-        PyErr_SetString(PyExc_ValueError, "copy_tiles: two uint64 arrays of one length, counts >= 0, item 1/2/4/8");
-    } else {
-        Py_BEGIN_ALLOW_THREADS
-        copy_tiles(dst.buf, src.buf, (size_t)dst.len / sizeof(uint64_t), &t);
-        Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return result;
+    int valid = item_ok && t.n_o >= 0 && t.n_r >= 0 && t.n_c >= 0;
+    return run_blocks(&dst, &src, valid,
+                      "copy_tiles: two uint64 arrays of one length, counts >= 0, item 1/2/4/8",
+                      copy_tiles_of, &t);
 }
 
 static PyObject *py_copy_ranges(PyObject *self, PyObject *args) {
