@@ -13,7 +13,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -369,18 +369,29 @@ def _addresses(views: Sequence[torch.Tensor], ids: np.ndarray, at: np.ndarray) -
 _Index = torch.Tensor | slice  # physical blocks; a slice where evenly spaced, as staged
 
 
-class _Batch(NamedTuple):
+@dataclass(frozen=True)
+class _Batch:
     """Runs of one length ``n``: run i copies from token ``src_at[i]`` of block
-    ``src_ids[i]`` to token ``dst_at[i]`` of ``dst_ids[i]``. ``parts`` are the same runs
-    grouped by offsets (source offset, destination offset, blocks, blocks), for the copies
-    that index whole blocks."""
+    ``src_ids[i]`` to token ``dst_at[i]`` of ``dst_ids[i]``."""
 
     n: int
     src_ids: np.ndarray
     src_at: np.ndarray
     dst_ids: np.ndarray
     dst_at: np.ndarray
-    parts: list[tuple[int, int, _Index, _Index]]
+
+    @functools.cached_property
+    def parts(self) -> list[tuple[int, int, _Index, _Index]]:
+        """The runs grouped by offsets (source offset, destination offset, blocks, blocks),
+        for the copies that index whole blocks; only where the native copy does not apply."""
+        offsets, group = np.unique(
+            np.stack([self.src_at, self.dst_at], axis=1), axis=0, return_inverse=True
+        )
+        group = group.reshape(-1)
+        return [
+            (so, do, _as_slice(self.src_ids[group == g]), _as_slice(self.dst_ids[group == g]))
+            for g, (so, do) in enumerate(offsets.tolist())
+        ]
 
 
 @functools.lru_cache(maxsize=32)  # every layer of a request copies along the same plan
@@ -393,18 +404,11 @@ def _batches(
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
     src_ids = np.asarray(src_blocks, dtype=np.int64)[runs[:, 0]]
     dst_ids = np.asarray(dst_blocks, dtype=np.int64)[runs[:, 1]]
-    batches = []
-    for n in np.unique(runs[:, 4]).tolist():
-        sel = runs[:, 4] == n
-        at, src_n, dst_n = runs[sel], src_ids[sel], dst_ids[sel]
-        offsets, group = np.unique(at[:, 2:4], axis=0, return_inverse=True)
-        group = group.reshape(-1)
-        parts = [
-            (so, do, _as_slice(src_n[group == g]), _as_slice(dst_n[group == g]))
-            for g, (so, do) in enumerate(offsets.tolist())
-        ]
-        batches.append(_Batch(n, src_n, at[:, 2], dst_n, at[:, 3], parts))
-    return batches
+    return [
+        _Batch(n, src_ids[sel], runs[sel, 2], dst_ids[sel], runs[sel, 3])
+        for n in np.unique(runs[:, 4]).tolist()
+        for sel in [runs[:, 4] == n]
+    ]
 
 
 def _as_slice(idx: np.ndarray) -> _Index:
