@@ -5,6 +5,7 @@ no second thread and every copy runs where it is called."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,14 +17,22 @@ class CopyPool:
     def __init__(self) -> None:
         two = copy_threads() > 1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-copy") if two else None
+        self._idle = threading.Lock()  # held while the second thread copies
 
     def split(self, work: Callable[[int, int], int], n: int, at: int | None = None) -> int:
         """``work(0, at) + work(at, n)``, the second half on the other thread (``at``
-        defaults to ``n // 2``); ``work`` returns the bytes it copied."""
+        defaults to ``n // 2``); ``work`` returns the bytes it copied. Where that thread is
+        busy with another copy the whole copy runs here: a small load never queues behind
+        a big one's half."""
         at = n // 2 if at is None else at
-        if self._pool is None or not 0 < at < n:
+        if self._pool is None or not 0 < at < n or not self._idle.acquire(blocking=False):
             return work(0, n)
-        second = self._pool.submit(work, at, n)
+        try:
+            second = self._pool.submit(work, at, n)
+        except BaseException:
+            self._idle.release()
+            raise
+        second.add_done_callback(lambda _: self._idle.release())
         return work(0, at) + second.result()
 
     def layers(
