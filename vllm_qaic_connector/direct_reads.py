@@ -216,7 +216,7 @@ class DirectReader:
     def __init__(self, copies: CopyPool) -> None:
         self._caches: dict[str, PeerCache] = {}
         self._lock = threading.Lock()
-        self.copies = copies  # also the staged loads' second thread
+        self._copies = copies
 
     def peer(
         self, owner: str, cache: SharedCache, layout: KVLayout, geometry: KVGeometry
@@ -256,7 +256,7 @@ class DirectReader:
         (the same layout); a second thread takes the ranges of the second half of the bytes."""
         frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
-        return self.copies.split(
+        return self._copies.split(
             lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]), len(sizes), half
         )
 
@@ -272,7 +272,7 @@ class DirectReader:
         """`copy_layers`: tokens ``[t0, t1)`` from every layer of ``src`` into our
         canonical views ``dst``, in any layout and block size; a second thread takes the
         second half of the layers."""
-        return self.copies.layers(src.layers, src_blocks, dst, dst_blocks, t0, t1)
+        return self._copies.layers(src.layers, src_blocks, dst, dst_blocks, t0, t1)
 
     def close(self) -> None:
         for owner in list(self._caches):

@@ -12,6 +12,7 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
     cache_endpoint,
@@ -61,9 +62,11 @@ class RequestLoads:
         transport: KVTransport,
         peers: PeerDirectory,
         direct: DirectReader,
+        copies: CopyPool,
     ) -> None:
         self.cfg, self.identity, self.cache, self.ours = cfg, identity, cache, ours
         self.transport, self.peers, self.direct = transport, peers, direct
+        self.copies = copies
         self._tp = identity.tp_size, identity.tp_rank
         self._key = cfg.shared_key  # read once: the property reads the key file each time
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
@@ -164,7 +167,7 @@ class RequestLoads:
                 runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
                 for (group, shift), layers in runs:  # none: a rank read for its state
                     t = spec.start(group)
-                    copied += self.direct.copies.layers(
+                    copied += self.copies.layers(
                         views[layers], src_blocks, cache.layers[layers], spec.block_ids[group],
                         t - shift, spec.end - shift, kv_heads[r], dst_t0=t,
                     )  # fmt: skip

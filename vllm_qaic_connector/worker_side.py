@@ -204,7 +204,14 @@ class WorkerSide:
             cache, shared if self.identity.produces else None, direct
         )
         self.loads = RequestLoads(
-            self.cfg, self.identity, cache, self.rank_meta, transport, self.peers, self._direct
+            self.cfg,
+            self.identity,
+            cache,
+            self.rank_meta,
+            transport,
+            self.peers,
+            self._direct,
+            self._copies,
         )
         self._loader = Loader(self.loads.load, self.loads.failed, self.cfg.load_timeout_s)
         logger.info(
