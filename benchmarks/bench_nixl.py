@@ -46,8 +46,8 @@ from vllm_qaic_connector.tickets import HEADER_BYTES, seal  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
 from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
 
-SIZES = [64 << 10, 1 << 20, 64 << 20]
-STAGING = (64 << 20) + (1 << 20)  # the NIXL read rows; the staged slot request follows it
+SIZES = [64 << 10, 1 << 20, 64 << 20, 256 << 20]
+STAGING = (256 << 20) + (1 << 20)  # the NIXL read rows; the staged slot request follows it
 GENERATION = 0x5EED_0001  # the staged request's ticket (any non-zero value)
 SEED = 20240611  # both processes derive the staged KV bytes from it
 SENTINEL = 0xA5  # every target byte a pull must not write
