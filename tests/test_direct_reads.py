@@ -174,6 +174,9 @@ def test_block_ids_outside_either_cache_are_refused():
         reader.copy(peer, [0, BLOCKS], ours, [0, 1])
     with pytest.raises(ValueError, match="our block ids -1..1 outside 0..3"):
         reader.copy(peer, [0, 1], ours, [1, -1])
+    mixed = [*ours[:-1], get_layout("vllm_cpu").allocate(5, GEO)]  # one plan serves all layers
+    with pytest.raises(ValueError, match="our layers in one shape and stride"):
+        reader.copy(peer, [0, 1], mixed, [0, 1])
     assert not any(t.any() for t in ours)
     reader.close()
 

@@ -132,14 +132,16 @@ def cache_ranges(
     for name, ids, n in zip(("prefill", "our"), blocks, limits, strict=True):
         if ids and not 0 <= min(ids) <= max(ids) < n:  # copies go by address
             raise ValueError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{n - 1}")
-    runs = block_runs(*blocks)
-    parts = [
-        block_ranges(src.extents, base, BlockExtents.of(t.shape, t.stride(), src.block_dim),
-                     t.data_ptr(), runs, t.element_size())
-        for base, t in zip(src_bases, layers, strict=True)
-    ]  # fmt: skip
-    frm, to, sizes = (np.concatenate(p) for p in zip(*parts, strict=True))
-    return frm, to, sizes
+    first = layers[0]
+    if any((t.shape, t.stride()) != (first.shape, first.stride()) for t in layers):
+        raise ValueError("direct reads need our layers in one shape and stride")
+    ours = BlockExtents.of(first.shape, first.stride(), src.block_dim)
+    runs, item = block_runs(*blocks), first.element_size()
+    frm, to, sizes = block_ranges(src.extents, 0, ours, 0, runs, item)
+    # the layers share one plan: a row of it per layer, shifted to the layer's base
+    src_at = np.asarray(src_bases, dtype=np.int64)[:, None] + frm
+    dst_at = np.asarray([t.data_ptr() for t in layers], dtype=np.int64)[:, None] + to
+    return src_at.ravel(), dst_at.ravel(), np.tile(sizes, len(layers))
 
 
 def plan_cache_reads(
