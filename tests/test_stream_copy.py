@@ -54,12 +54,12 @@ def test_address_arrays_of_different_lengths_and_bad_plans_are_refused():
     two = np.zeros(2, dtype=np.uint64)
     rows = layout.BlockRows(1, 1, 64, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="one length"):
-        stream_copy.copy_blocks(one, two, rows)
+        rows.copy(one, two)
     tiles = layout.BlockTiles(1, 8, 8, 2, 0, 16, 2, 0, 2, 16)
     with pytest.raises(ValueError, match="one length"):
-        stream_copy.copy_tiles(one, two, tiles)
+        tiles.copy(one, two)
     with pytest.raises(ValueError, match="item 1/2/4/8"):  # 3-byte elements: no such copy
-        stream_copy.copy_tiles(one, one, layout.BlockTiles(1, 8, 8, 3, 0, 24, 3, 0, 3, 24))
+        layout.BlockTiles(1, 8, 8, 3, 0, 24, 3, 0, 3, 24).copy(one, one)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
@@ -118,13 +118,15 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     calls: list[layout.BlockRows] = []
     tiles: list[layout.BlockTiles] = []
 
-    def counted(src: np.ndarray, dst: np.ndarray, rows: layout.BlockRows) -> None:
-        calls.append(rows)
-        stream_copy.copy_blocks(src, dst, rows)
+    copy_rows, copy_tiles = stream_copy.BlockRows.copy, stream_copy.BlockTiles.copy
 
-    def counted_tiles(src: np.ndarray, dst: np.ndarray, t: layout.BlockTiles) -> None:
+    def counted(rows: layout.BlockRows, src: np.ndarray, dst: np.ndarray) -> None:
+        calls.append(rows)
+        copy_rows(rows, src, dst)
+
+    def counted_tiles(t: layout.BlockTiles, src: np.ndarray, dst: np.ndarray) -> None:
         tiles.append(t)
-        stream_copy.copy_tiles(src, dst, t)
+        copy_tiles(t, src, dst)
 
     src_geo = KVGeometry(num_heads=4, head_size=64, block_size=16, dtype=torch.float16)
     dst_geo = KVGeometry(num_heads=2, head_size=64, block_size=8, dtype=torch.float16)
@@ -134,8 +136,8 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     results = []
     for native in (True, False):
         monkeypatch.setattr(layout, "NATIVE", native)
-        monkeypatch.setattr(layout, "copy_blocks", counted)
-        monkeypatch.setattr(layout, "copy_tiles", counted_tiles)
+        monkeypatch.setattr(stream_copy.BlockRows, "copy", counted)
+        monkeypatch.setattr(stream_copy.BlockTiles, "copy", counted_tiles)
         dst = get_layout(dst_kind).allocate(16, dst_geo)
         views = (get_layout(src_kind).kv_views(src, src_geo),
                  get_layout(dst_kind).kv_views(dst, dst_geo))  # fmt: skip

@@ -18,7 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from vllm_qaic_connector.stream_copy import NATIVE, copy_blocks, copy_tiles
+from vllm_qaic_connector.stream_copy import NATIVE, BlockRows, BlockTiles
 
 
 @dataclass(frozen=True)
@@ -268,44 +268,6 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Since one native call covers a whole batch of blocks, rows of 16 bytes and up copy 1.3-6x
 # faster natively than through numpy (re-blocking vLLM CPU's K: a row is a block's tokens).
 MIN_ROW_BYTES = 16
-
-
-@dataclass(frozen=True)
-class BlockRows:
-    """One block's copy as rows of ``chunk`` contiguous bytes on both sides: row (a, b)
-    at ``a * stride_a + b * stride_b`` from each block's start (strides in bytes)."""
-
-    rows_a: int
-    rows_b: int
-    chunk: int
-    dst_a: int
-    dst_b: int
-    src_a: int
-    src_b: int
-
-    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        copy_blocks(src, dst, self)
-
-
-@dataclass(frozen=True)
-class BlockTiles:
-    """One block's copy as a transpose: element (o, r, c) of ``item`` bytes at
-    ``o * o_stride + r * r_stride + c * c_stride`` from each block's start (bytes), ``r``
-    contiguous in the source and ``c`` in the destination."""
-
-    n_o: int
-    n_r: int
-    n_c: int
-    item: int
-    dst_o: int
-    dst_r: int
-    dst_c: int
-    src_o: int
-    src_r: int
-    src_c: int
-
-    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
-        copy_tiles(src, dst, self)
 
 
 def block_tiles(src: torch.Tensor, dst: torch.Tensor) -> BlockTiles | None:

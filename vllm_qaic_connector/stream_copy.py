@@ -1,17 +1,16 @@
 """Copies of many byte ranges, with non-temporal stores where the optional native
-`_stream_copy` was built (a C compiler at install), else with memmove per range. Both
+`_stream_copy` was built (a C compiler at install), else with memmove per range; and the
+native copies of strided blocks (`BlockRows`, `BlockTiles`; `layout` plans them). All
 release the GIL, so two threads copy in parallel."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from vllm_qaic_connector.layout import BlockRows, BlockTiles
 
 try:
     from vllm_qaic_connector._stream_copy import copy_blocks as _native_blocks
@@ -29,24 +28,54 @@ def copy_threads() -> int:
     return min(2, len(os.sched_getaffinity(0)))
 
 
-def copy_blocks(src: np.ndarray, dst: np.ndarray, rows: BlockRows) -> None:
-    """Copies ``rows`` of each block at address ``src[i]`` to the block at ``dst[i]``
-    (native only: `layout.copy_tokens` goes through numpy without it)."""
-    assert _native_blocks is not None, "copy_blocks needs the native _stream_copy"
-    r = rows
-    _native_blocks(np.ascontiguousarray(dst, dtype=np.uint64),
-                   np.ascontiguousarray(src, dtype=np.uint64),
-                   r.rows_a, r.rows_b, r.chunk, r.dst_a, r.dst_b, r.src_a, r.src_b)  # fmt: skip
+@dataclass(frozen=True)
+class BlockRows:
+    """One block's copy as rows of ``chunk`` contiguous bytes on both sides: row (a, b)
+    at ``a * stride_a + b * stride_b`` from each block's start (strides in bytes). The
+    fields are `_stream_copy.copy_blocks`' arguments, in order."""
+
+    rows_a: int
+    rows_b: int
+    chunk: int
+    dst_a: int
+    dst_b: int
+    src_a: int
+    src_b: int
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copies the rows of each block at address ``src[i]`` to the block at ``dst[i]``."""
+        _run(_native_blocks, src, dst, self)
 
 
-def copy_tiles(src: np.ndarray, dst: np.ndarray, tiles: BlockTiles) -> None:
-    """Copies each block at address ``src[i]`` to the block at ``dst[i]`` element by
-    element as ``tiles`` says (native only, like `copy_blocks`)."""
-    assert _native_tiles is not None, "copy_tiles needs the native _stream_copy"
-    t = tiles
-    _native_tiles(np.ascontiguousarray(dst, dtype=np.uint64),
-                  np.ascontiguousarray(src, dtype=np.uint64), t.n_o, t.n_r, t.n_c, t.item,
-                  t.dst_o, t.dst_r, t.dst_c, t.src_o, t.src_r, t.src_c)  # fmt: skip
+@dataclass(frozen=True)
+class BlockTiles:
+    """One block's copy as a transpose: element (o, r, c) of ``item`` bytes at
+    ``o * o_stride + r * r_stride + c * c_stride`` from each block's start (bytes), ``r``
+    contiguous in the source and ``c`` in the destination. The fields are
+    `_stream_copy.copy_tiles`' arguments, in order."""
+
+    n_o: int
+    n_r: int
+    n_c: int
+    item: int
+    dst_o: int
+    dst_r: int
+    dst_c: int
+    src_o: int
+    src_r: int
+    src_c: int
+
+    def copy(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copies each block at address ``src[i]`` to the block at ``dst[i]``."""
+        _run(_native_tiles, src, dst, self)
+
+
+def _run(
+    native: Callable[..., None] | None, src: np.ndarray, dst: np.ndarray, plan: object
+) -> None:
+    assert native is not None, "block plans need the native _stream_copy (layout checks NATIVE)"
+    native(np.ascontiguousarray(dst, dtype=np.uint64), np.ascontiguousarray(src, dtype=np.uint64),
+           *vars(plan).values())  # fmt: skip
 
 
 def copy_ranges(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> int:
