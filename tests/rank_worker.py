@@ -12,8 +12,8 @@ import torch
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv_groups import KVGroup
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
-from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.this_rank import RankIdentity
 from vllm_qaic_connector.tp_mapping import heads_of_rank
 from vllm_qaic_connector.worker_side import WorkerSide

@@ -15,7 +15,7 @@ import torch
 from tests.rank_worker import make_worker
 from vllm_qaic_connector import tickets
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, gather_tokens
-from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata, SaveSpec
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
     RegionHeaders,

@@ -106,7 +106,7 @@ def test_staged_starts_never_go_before_what_the_prefill_still_holds():
 
 def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
     from tests.rank_worker import make_worker
-    from vllm_qaic_connector.scheduler_side import LoadSpec, QAICConnectorMetadata
+    from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata
 
     args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu", window=WINDOW)
     worker = make_worker({**args, "engine": f"hy{os.getpid()}", "extra": {}}, seed=1)

@@ -12,7 +12,7 @@ from tests.ranks import rank_meta
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
 from vllm_qaic_connector.config import KEY_ENV
-from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
 from vllm_qaic_connector.wire import (
     ReleaseRequest,

@@ -18,8 +18,8 @@ from tests.rank_worker import HEAD, LAYERS, decode_rank, hybrid_groups, make_wor
 from vllm_qaic_connector.kv_groups import kept_start, load_starts, staged_starts, tokens_to_load
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory, check_ranks
-from vllm_qaic_connector.scheduler_side import LoadSpec, SaveSpec
 from vllm_qaic_connector.side_channel import SideChannelServer
+from vllm_qaic_connector.step_metadata import LoadSpec, SaveSpec
 from vllm_qaic_connector.tp_mapping import heads_of_rank
 from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.transports.shm import SHM_DIR

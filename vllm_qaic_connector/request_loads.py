@@ -27,7 +27,7 @@ from vllm_qaic_connector.layout import (
 )
 from vllm_qaic_connector.loader import WriteGate
 from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.scheduler_side import LoadSpec
+from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.this_rank import LocalCache, RankIdentity
 from vllm_qaic_connector.tickets import StaleTicket, checked_read, checked_region
 from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank, source_ranks

@@ -44,8 +44,8 @@ from vllm_qaic_connector.loader import Loader
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.request_loads import RequestLoads
-from vllm_qaic_connector.scheduler_side import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.this_rank import LocalCache, RankIdentity, Views
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
