@@ -92,14 +92,14 @@ def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save():
     args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
     extra = {"async_saves": True}
     worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": extra}, seed=3)
-    assert worker.transport is not None
+    assert worker.transport is not None and worker.saves is not None
     reader = ShmTransport(f"qaic_kv_as{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
     try:
         n, blocks = 70, [5, 2, 9]
         spec = SaveSpec("p1", (blocks,), n, 0, "vllm_cpu", 32, GEN)
         other = SaveSpec("p2", ([7],), 20, 1 << 20, "vllm_cpu", 32, GEN + 1)
         gate = threading.Event()
-        worker._saver.submit(gate.wait)  # the save thread is busy with an earlier save
+        worker.saves.saver.submit(gate.wait)  # the save thread is busy with an earlier save
         worker.bind(QAICConnectorMetadata(saves=[spec, other]))
         worker.wait_for_save()
         worker.bind(None)

@@ -1,13 +1,10 @@
-"""The worker half: KV cache registration, saves into staging, and each step's load and
-save bookkeeping (what a load does: `request_loads`)."""
+"""The worker half: KV cache registration, the handshake metadata, and each step's loads
+and saves handed to `request_loads` / `request_saves`, with their stats."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,18 +33,17 @@ from vllm_qaic_connector.kv_groups import (
 from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
-    blocks_for_tokens,
-    layer_runs,
 )
 from vllm_qaic_connector.layout_probe import detect_layout
 from vllm_qaic_connector.loader import Loader
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.request_loads import RequestLoads
+from vllm_qaic_connector.request_saves import RequestSaves
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
-from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.this_rank import LocalCache, RankIdentity, Views
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
+from vllm_qaic_connector.tickets import RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
 from vllm_qaic_connector.wire import (
     RankMetadata,
@@ -107,14 +103,9 @@ class WorkerSide:
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         self.loads: RequestLoads | None = None
         self._loader: Loader | None = None
-        # Saves leave the engine's step: one thread, so a request's chunks land in order.
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-save")
-        self._saving: dict[str, Future[None]] = {}  # each request's latest save
-        self._await_saves: set[str] = set()  # finished; vLLM holds their blocks for us
-        self._headers: RegionHeaders | None = None
+        self.saves: RequestSaves | None = None
         self._copies = CopyPool()
         self._direct = DirectReader(self._copies)
-        self._released_direct: set[str] = set()  # handed off directly; tickets invalidated
         self._load_errors: set[int] = set()
         # With several KV cache groups block ids are not unique, so vLLM takes failed
         # loads by request id (failed_recving) instead of by block.
@@ -199,7 +190,7 @@ class WorkerSide:
         else:
             direct = one_group and self.cfg.direct_reads
             shared = share_kv_cache(tensors) if direct and self.identity.produces else None
-        self._headers = RegionHeaders(transport.staging)
+        self.saves = RequestSaves(self.cfg, cache, RegionHeaders(transport.staging), self._copies)
         self.rank_meta = self.peers.ours = self._rank_metadata(
             cache, shared if self.identity.produces else None, direct
         )
@@ -282,8 +273,8 @@ class WorkerSide:
 
     def bind(self, metadata: QAICConnectorMetadata | None) -> None:
         self._metadata = metadata
-        if metadata is not None:
-            self._await_saves.update(metadata.await_saves)
+        if metadata is not None and self.saves is not None:
+            self.saves.hold(metadata.await_saves)
 
     def start_load_kv(self) -> None:
         if self._metadata is None or self._loader is None:
@@ -301,86 +292,8 @@ class WorkerSide:
         return self.peers.poll(host, port, retry=False) is not None
 
     def wait_for_save(self) -> None:
-        """Stages this step's saves; with ``async_saves``, hands them to the save thread
-        and returns. Then, before the ticket can leave, each sealing save promises its
-        generation, so a decode that comes early waits for the seal instead of failing."""
-        if self._metadata is None or self._headers is None:
-            return
-        for offset in self._metadata.invalidate:
-            self._headers.invalidate(offset)
-        self._released_direct.update(self._metadata.release_direct)
-        for spec in self._metadata.saves:
-            if spec.direct and spec.generation:
-                self._seal_direct(spec)
-        saves = [spec for spec in self._metadata.saves if not spec.direct]
-        if not saves or not self.cfg.async_saves:
-            self._save_all(saves)
-            return
-        for spec in saves:
-            if spec.generation:
-                self._headers.promise(spec.staging_offset, spec.generation)
-        job = self._saver.submit(self._save_all, saves)
-        for spec in saves:
-            self._saving[spec.request_id] = job
-
-    def _save_all(self, saves: list[SaveSpec]) -> None:
-        assert self._headers is not None
-        for spec in saves:
-            try:
-                self._save(spec)
-            except Exception:
-                logger.exception("QAICConnector: staging request %s failed", spec.request_id)
-                self._headers.abandon(spec.staging_offset)  # its reader fails at once
-
-    def _seal_direct(self, spec: SaveSpec) -> None:
-        """Nothing to copy: the ticket's header says the held blocks are ready. On the
-        engine thread, so no seal can land after the release that invalidates it."""
-        assert self._headers is not None
-        start, t0 = spec.staging_offset, time.monotonic()
-        with self._headers.writing(start, start + HEADER_BYTES, spec.generation):
-            pass
-        with self._stats_lock:
-            self._stats.add("saved_requests")
-            self._stats.add("saved_tokens", spec.num_tokens)
-            self._stats.sample("save_seconds", time.monotonic() - t0)
-
-    def _saves_done(self) -> set[str]:
-        """Finished requests whose saves are all done: vLLM may free their blocks."""
-        done = {r for r in self._await_saves if (f := self._saving.get(r)) is None or f.done()}
-        self._await_saves -= done
-        for rid in done:
-            self._saving.pop(rid, None)
-        return done
-
-    def _save(self, spec: SaveSpec) -> None:
-        """Copy a finished prompt's KV into staging; the prefill's cache is only read."""
-        assert self._headers is not None and self.cache is not None
-        cache = self.cache
-        geometry = dataclasses.replace(self.geometry, block_size=spec.block_size)
-        fmt = cache.staging_format(spec.layout_kind, geometry, len(cache.layers), spec.starts)
-        start = spec.staging_offset
-        end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
-        staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
-        written, t0 = 0, time.monotonic()
-        with self._headers.writing(start, end, spec.generation) as region:
-            views = fmt.layer_views(region, spec.num_tokens)
-            last = spec.last or spec.num_tokens
-            for (group, shift), layers in layer_runs(len(views), cache.group, fmt.shift):
-                t = max(spec.starts[group], spec.first)  # staged from the shift on
-                if t < last:
-                    written += self._copies.layers(
-                        cache.layers[layers], spec.block_ids[group], views[layers],
-                        staged_blocks, t, last, dst_t0=t - shift,
-                    )  # fmt: skip
-            if cache.state is not None and spec.generation:  # the state after the last token
-                staged_state = fmt.state_region(region, spec.num_tokens)
-                written += cache.state.save(spec.block_ids, staged_state)
-        with self._stats_lock:
-            if spec.generation:  # the prompt's last part
-                self._stats.add("saved_requests")
-                self._stats.add("saved_tokens", spec.num_tokens)
-            self._stats.add("bytes_copied", written)
-            self._stats.sample("save_seconds", time.monotonic() - t0)
+        if self._metadata is not None and self.saves is not None:
+            self.saves.run(self._metadata)
 
     def take_acknowledgements(self) -> QAICWorkerMetadata | None:
         """Decode ranks' acknowledgements that arrived with their reads (prefill side)."""
@@ -409,8 +322,7 @@ class WorkerSide:
                     self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
         self._direct.drop_dead()
-        sending = self._saves_done() | self._released_direct
-        self._released_direct = set()
+        sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None
 
     def take_failed_requests(self) -> set[str]:
@@ -424,13 +336,16 @@ class WorkerSide:
     def get_stats(self) -> QAICConnectorStats | None:
         with self._stats_lock:
             self._stats.add("handshakes", self.peers.take_handshakes())
+            if self.saves is not None:
+                self._stats.aggregate(self.saves.take_stats())
             if self._stats.is_empty():
                 return None
             out, self._stats = self._stats, QAICConnectorStats()
             return out
 
     def shutdown(self) -> None:
-        self._saver.shutdown(wait=True)  # its writes go into the transport's staging
+        if self.saves is not None:
+            self.saves.shutdown()
         if self._loader is not None and self.loads is not None:
             self._loader.shutdown()
             self.loads.shutdown()
