@@ -11,7 +11,9 @@ within it (the proxy's Server-Timing header), TPOT, agreement with the
 aggregated answers, correct copies, stalls (TTFT over 5 s), the servers' CPU seconds per
 request, and ratios: TTFT p50 to aggregated and to NixlConnector's. Then prefill throughput
 with the connector (max_tokens 1, ``do_remote_decode``) against the aggregated server on the
-same prompts. Targets (issue #13) are printed as met or not; nothing is asserted on time.
+same prompts, and on the connector's prefill server alone, staged against plain prefills in
+alternating rounds (servers minutes apart drift by more than the connector costs).
+Targets (issue #13) are printed as met or not; nothing is asserted on time.
 Exit status 1 if any answer of this connector disagrees with the aggregated one.
 """
 
@@ -223,6 +225,23 @@ def prefill_rate(url: str, prompts: list[str], staged: bool) -> float:
     return asyncio.run(go())
 
 
+RATE_ROUNDS = 3
+
+
+def alternated_rates(url: str, prompts: list[str]) -> list[float]:
+    """On one prefill server, staged / plain prefill rate ratios of `RATE_ROUNDS` rounds,
+    the order flipped each round (drift cancels). Every run gets the same prompts with its
+    own filler word after ``<bos>``, so none is a prefix-cache hit of another."""
+    ratios = []
+    for r in range(RATE_ROUNDS):
+        rates = {}
+        for i, staged in enumerate((True, False) if r % 2 == 0 else (False, True)):
+            variant = [p.replace("<bos>", f"<bos> f{2 * r + i}", 1) for p in prompts]
+            rates[staged] = prefill_rate(url, variant, staged)
+        ratios.append(rates[True] / rates[False])
+    return ratios
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--prompts", type=int, default=64)
@@ -273,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     ref: dict[int, list[str]] = {}
     rates: dict[str, float] = {}
+    same_server: list[float] = []  # staged / plain, round by round
     for setup in args.setups:
         t0 = time.monotonic()
         with LiveRun(f"cmp{setup}") as run:
@@ -303,10 +323,11 @@ def main(argv: list[str] | None = None) -> int:
             elif setup == "qaic-shm" or (args.quick and setup.startswith("qaic")):
                 assert prefill_url is not None
                 rates["connector"] = prefill_rate(prefill_url, rate_prompts, staged=True)
+                same_server = alternated_rates(prefill_url, rate_prompts)
         report = run.report
         if report is not None and not report.clean:
             print(f"[compare] {setup} left things behind: {report.problems()}", flush=True)
-    report_rows(rows, rates)
+    report_rows(rows, rates, same_server)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if args.plot:
@@ -323,7 +344,7 @@ def load(row: Row) -> str:
     return f"c={row.concurrency}" if row.concurrency else f"{row.arrivals_per_s:.1f} req/s"
 
 
-def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
+def report_rows(rows: list[Row], rates: dict[str, float], same_server: list[float]) -> None:
     by = {(r.setup, r.concurrency): r for r in rows}
     print(f"\n{'setup':<18}{'load':>11}{'TTFT p50':>10}{'p95':>9}{'prefill':>9}{'TPOT':>8}"
           f"{'agree':>7}{'correct':>8}{'stalls':>7}{'CPU s/req':>10}"
@@ -363,6 +384,10 @@ def report_rows(rows: list[Row], rates: dict[str, float]) -> None:
         ratio = rates["connector"] / rates["aggregated"]
         print(f"prefill throughput with the connector: {rates['connector']:.1f} req/s, without: "
               f"{rates['aggregated']:.1f} req/s, ratio {ratio:.2f} (target >= 0.9)")  # fmt: skip
+    if same_server:
+        rounds = " ".join(f"{r:.2f}" for r in same_server)
+        print(f"the same on the connector's prefill server, staged / plain prefills alternated: "
+              f"median ratio {statistics.median(same_server):.2f} (rounds {rounds})")  # fmt: skip
 
 
 def floor_lines(rows: list[Row], rate: float | None) -> None:
