@@ -1,12 +1,11 @@
 """A prefill engine's requests on their way to decodes, in the scheduler: the decode's
 format learnt by handshake, staging reserved before the prompt runs, a save per computed
-chunk, the ticket when the request finishes, and the staging freed once every decode
-rank has read it (or its lease ran out). Logical only: no tensors, layouts or transports."""
+chunk, and the ticket when the request finishes (its staging is freed by
+`staging_releases`). Logical only: no tensors, layouts or transports."""
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,7 +17,6 @@ from vllm.v1.request import RequestStatus
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv_groups import (
     KVGroup,
-    has_state,
     held_start,
     layer_groups,
     layer_starts,
@@ -28,13 +26,11 @@ from vllm_qaic_connector.kv_groups import (
 )
 from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.staging import StagingPool
+from vllm_qaic_connector.staging_releases import StagingReleases
 from vllm_qaic_connector.step_metadata import SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
-from vllm_qaic_connector.tp_mapping import reads_needed, source_ranks
 from vllm_qaic_connector.wire import (
     RankMetadata,
-    ReleaseRequest,
     RemotePrefill,
     direct_problem,
     ticket_mac,
@@ -46,7 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")
-MAX_TP = 1024  # bounds the work an acknowledgement can ask for
 
 
 @dataclass(frozen=True)
@@ -84,9 +79,14 @@ class PrefillEngine:
 
 class PrefillHandoffs:
     def __init__(
-        self, cfg: ConnectorConfig, engine: PrefillEngine, pool: StagingPool, peers: PeerDirectory
+        self,
+        cfg: ConnectorConfig,
+        engine: PrefillEngine,
+        releases: StagingReleases,
+        peers: PeerDirectory,
     ) -> None:
-        self.cfg, self.engine, self.pool, self.peers = cfg, engine, pool, peers
+        self.cfg, self.engine, self.releases, self.peers = cfg, engine, releases, peers
+        self.pool = releases.pool
         self.ranks: list[RankMetadata] = []  # our workers', by TP rank
         self.kv_cache_manager: KVCacheManager | None = None
         self._layer_groups = layer_groups(engine.groups, ordered_layers(engine.groups))
@@ -97,11 +97,7 @@ class PrefillHandoffs:
         self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
-        # (decode rank, prefill rank) reads acknowledged, per staged request
-        self._acks: dict[str, set[tuple[int, int]]] = {}
-        self._acks_lock = threading.Lock()
         self._generations = Generations()
-        self._expired = 0  # leases expired since the last take_expired()
 
     # --- before the prompt runs ----------------------------------------------------------
 
@@ -123,7 +119,7 @@ class PrefillHandoffs:
             out.target, out.waiting_since = target, now
         held = (0,) * len(self.engine.groups)  # the most it can stage: nothing is dropped yet
         fmt = self._staging_format(request.num_prompt_tokens, out.target, held)
-        self.expire_leases()  # an idle engine ran no step that would have freed them
+        self.releases.expire()  # an idle engine ran no step that would have freed them
         try:
             kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
             offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
@@ -323,41 +319,3 @@ class PrefillHandoffs:
             mac = ticket_mac(params, self.cfg.shared_key)
             params = msgspec.structs.replace(params, ticket_mac=mac)
         return params
-
-    # --- after the handoff ----------------------------------------------------------------
-
-    def acknowledge(self, rid: str, ack: ReleaseRequest) -> None:
-        """Frees the staging once every (decode rank, prefill rank) read is done: each
-        prefill rank staged its own heads, and TP decode ranks read at their own pace."""
-        total_heads = self.ranks[0].num_kv_heads if self.ranks else 1
-        src_tp = max(len(self.ranks), 1)
-        if not self.pool.has(rid) or not 0 <= ack.reader_rank < ack.reader_tp <= MAX_TP:
-            return  # nothing staged under that id (any more), or a nonsense reader
-        try:
-            state = has_state(self.engine.groups)  # its shards add reads across TP sizes
-            needed = reads_needed(total_heads, src_tp, ack.reader_tp, state)
-            sources = ack.source_ranks
-            if sources is None:
-                sources = source_ranks(total_heads, src_tp, ack.reader_tp, ack.reader_rank, state)
-        except ValueError as exc:
-            logger.warning("QAICConnector: ignoring acknowledgement of %s: %s", rid, exc)
-            return
-        with self._acks_lock:
-            done = self._acks.setdefault(rid, set())
-            done.update((ack.reader_rank, s) for s in sources)
-            if not needed <= done:
-                return
-            del self._acks[rid]
-        self.pool.release(rid)
-
-    def expire_leases(self) -> None:
-        for rid in self.pool.expire():
-            self._expired += 1
-            with self._acks_lock:
-                self._acks.pop(rid, None)
-            logger.warning("QAICConnector: staging lease of request %s expired", rid)
-
-    def take_expired(self) -> int:
-        """Leases expired since the last call."""
-        expired, self._expired = self._expired, 0
-        return expired

@@ -23,6 +23,7 @@ from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.prefill_handoffs import PrefillEngine, PrefillHandoffs
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
+from vllm_qaic_connector.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata
 from vllm_qaic_connector.tickets import prompt_hash
@@ -83,7 +84,8 @@ class SchedulerSide:
         engine = PrefillEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port
         )
-        self.handoffs = PrefillHandoffs(cfg, engine, self.pool, self.peers)
+        self.releases = StagingReleases(self.pool, has_state(self.groups))
+        self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
         if self._key is None and not is_loopback(cfg.side_channel_host):
             logger.warning(
                 "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
@@ -115,8 +117,8 @@ class SchedulerSide:
             return HandshakeReply(PROTOCOL_VERSION, self._ranks)
         if isinstance(msg, ReleaseRequest):
             for rid in msg.request_ids:
-                self.handoffs.acknowledge(rid, msg)
-            self.handoffs.expire_leases()
+                self.releases.acknowledge(rid, msg, self._ranks)
+            self.releases.expire()
             return Ok()
         if isinstance(msg, RenewRequest):
             return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
@@ -212,7 +214,7 @@ class SchedulerSide:
         self.handoffs.kv_cache_manager = manager
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
-        self.handoffs.expire_leases()
+        self.releases.expire()
         released = self.handoffs.released_direct()  # before drain_freed
         meta = QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
@@ -233,7 +235,7 @@ class SchedulerSide:
             self._renewer.drop(rid)
         for ack in acks:  # acknowledgements that came with NIXL reads
             for rid in ack.request_ids:
-                self.handoffs.acknowledge(rid, ack)
+                self.releases.acknowledge(rid, ack, self._ranks)
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
         rid = request.request_id
@@ -246,7 +248,7 @@ class SchedulerSide:
         stats = QAICConnectorStats()
         stats.set("staging_pages_in_use", self.pool.pages_in_use)
         stats.set("staging_pages_total", self.pool.num_pages)
-        stats.add("lease_expiries", self.handoffs.take_expired())
+        stats.add("lease_expiries", self.releases.take_expired())
         stats.add("handshakes", self.peers.take_handshakes())
         return stats
 
