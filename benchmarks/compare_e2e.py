@@ -225,7 +225,7 @@ def prefill_rate(url: str, prompts: list[str], staged: bool) -> float:
     return asyncio.run(go())
 
 
-RATE_ROUNDS = 3
+RATE_ROUNDS = 5
 
 
 def alternated_rates(url: str, prompts: list[str]) -> list[float]:

@@ -44,7 +44,7 @@ def test_compare_e2e_quick(tmp_path: Path) -> None:
     assert "prefill throughput with the connector" in proc.stdout
     # Staged and plain prefills alternated on one server: a positive ratio per round.
     found = re.search(r"alternated: median ratio [0-9.]+ \(rounds ([0-9. ]+)\)", proc.stdout)
-    assert found and [float(r) > 0 for r in found[1].split()] == [True] * 3, proc.stdout[-2000:]
+    assert found and [float(r) > 0 for r in found[1].split()] == [True] * 5, proc.stdout[-2000:]
     # The closed-loop floor that the prefill's rate puts under the TTFT, from this run.
     rest = rows["qaic-shm-128to32", 4]["rest_ms"]
     assert 0 < rest < math.inf and f"(after the first token {rest:.0f} ms)" in proc.stdout
