@@ -78,13 +78,15 @@ class SchedulerSide:
         self._key = cfg.shared_key
         self._renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
+        # Before the listener: a release may arrive as soon as it listens (a decode that
+        # still holds a ticket of this engine's previous life).
+        self.releases = StagingReleases(self.pool, has_state(self.groups))
         self._server = SideChannelServer(
             cfg.side_channel_host, cfg.side_channel_port, self._handle, self._key
         )
         engine = PrefillEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port
         )
-        self.releases = StagingReleases(self.pool, has_state(self.groups))
         self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
         if self._key is None and not is_loopback(cfg.side_channel_host):
             logger.warning(
