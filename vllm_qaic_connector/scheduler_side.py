@@ -1,6 +1,6 @@
-"""The scheduler half: a decode's loads (kv_transfer_params checked, tokens claimed, blocks
-handed to the worker), a prefill's handoffs (`prefill_handoffs`), and the side-channel
-listener both answer on. It holds no tensors, layouts or transports."""
+"""The scheduler half: a decode's loads (`decode_loads`), a prefill's handoffs
+(`prefill_handoffs`), and the side-channel listener both answer on. It holds no tensors,
+layouts or transports."""
 
 from __future__ import annotations
 
@@ -9,24 +9,20 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
+from vllm_qaic_connector.decode_loads import DecodeLoads
 from vllm_qaic_connector.kv_groups import (
     attention_spec,
     groups_of,
     has_state,
-    load_starts,
-    staging_gap,
-    tokens_to_load,
 )
 from vllm_qaic_connector.layout import KVGeometry
-from vllm_qaic_connector.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.prefill_handoffs import PrefillEngine, PrefillHandoffs
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.staging import StagingPool
 from vllm_qaic_connector.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
-from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata
-from vllm_qaic_connector.tickets import prompt_hash
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -36,11 +32,8 @@ from vllm_qaic_connector.wire import (
     Ok,
     RankMetadata,
     ReleaseRequest,
-    RemotePrefill,
     Renewed,
     RenewRequest,
-    parse_remote_prefill,
-    ticket_problem,
 )
 
 if TYPE_CHECKING:
@@ -72,11 +65,10 @@ class SchedulerSide:
         )
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
-        self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
-        self._pending_loads: dict[str, LoadSpec] = {}
-        self._loading: set[str] = set()  # loads handed to the worker, not yet reported done
         self._key = cfg.shared_key
-        self._renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
+        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
+        per_token = geometry.bytes_per_block // geometry.block_size * layers
+        self.loads = DecodeLoads(cfg, self.groups, per_token)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).
@@ -150,41 +142,7 @@ class SchedulerSide:
             return self.handoffs.admit(request, params)
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        remote: RemotePrefill | None = None
-        error: str | None = None
-        prompt = request.prompt_token_ids or []
-        try:
-            parsed = parse_remote_prefill(params)
-            num_tokens = parsed.num_tokens
-            unusable = ticket_problem(parsed, self._key)
-            if unusable:  # before anything else: an unsigned peer address is not contacted
-                raise ValueError(unusable)
-            if num_tokens > len(prompt):
-                raise ValueError(
-                    f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
-                    f"the prompt ({len(prompt)} tokens)"
-                )
-            if has_state(self.groups) and num_tokens == len(prompt):
-                raise ValueError(
-                    f"the prefill staged all {num_tokens} prompt tokens; a model with "
-                    "Mamba layers needs it to stop at least one token short"
-                )
-            if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
-                raise ValueError(
-                    "kv_transfer_params were staged for another prompt (prompt_hash differs)"
-                )
-            remote = parsed  # only a ticket that checks out is used, renewed or released
-            self._renewer.want(request.request_id, remote)
-        except ValueError as exc:
-            # Still claim the tokens: the worker reports their blocks as load errors, so
-            # vLLM's kv_load_failure_policy decides, as for every other failed load.
-            error = f"request {request.request_id}: {exc}"
-            num_tokens = len(request.prompt_token_ids or ())
-        count = tokens_to_load(num_tokens, self.groups) - num_computed_tokens
-        if count <= 0:
-            return 0, False
-        self._matched[request.request_id] = (num_computed_tokens, remote, error)
-        return count, True
+        return self.loads.claim(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -192,25 +150,7 @@ class SchedulerSide:
         params = request.kv_transfer_params or {}
         if params.get("do_remote_decode") and self.is_producer:
             self.handoffs.will_save(request)
-        matched = self._matched.pop(request.request_id, None)
-        if matched is None or num_external_tokens == 0:
-            return
-        first_token, remote, error = matched
-        params["do_remote_prefill"] = False  # load once, even if rescheduled
-        starts = load_starts(self.groups, first_token + num_external_tokens, first_token)
-        if remote is not None and error is None:
-            gap = staging_gap(starts, remote.group_starts or (0,) * len(self.groups))
-            error = f"request {request.request_id}: {gap}" if gap else None
-        self._pending_loads[request.request_id] = LoadSpec(
-            request.request_id,
-            tuple(list(ids) for ids in blocks.get_block_ids()),
-            first_token,
-            remote,
-            error,
-            self._renewer.holds_until(request.request_id),
-            starts,
-            first_token + num_external_tokens,
-        )
+        self.loads.allocated(request, blocks, num_external_tokens)
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self.handoffs.kv_cache_manager = manager
@@ -220,31 +160,24 @@ class SchedulerSide:
         released = self.handoffs.released_direct()  # before drain_freed
         meta = QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
-            loads=list(self._pending_loads.values()),
+            loads=self.loads.take(scheduler_output),
             invalidate=self.pool.drain_freed(),
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,
         )
-        self._loading.update(self._pending_loads)
-        self._pending_loads.clear()
         return meta
 
     def update_connector_output(
         self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
     ) -> None:
-        self._loading.difference_update(finished_recving or ())
-        for rid in finished_recving or ():
-            self._renewer.drop(rid)
+        self.loads.received(finished_recving or set())
         for ack in acks:  # acknowledgements that came with NIXL reads
             for rid in ack.request_ids:
                 self.releases.acknowledge(rid, ack, self._ranks)
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
-        rid = request.request_id
-        self._matched.pop(rid, None)
-        self._pending_loads.pop(rid, None)
-        self._renewer.drop(rid)
-        return self.handoffs.finished(request, loading=rid in self._loading)
+        loading = self.loads.finished(request.request_id)
+        return self.handoffs.finished(request, loading=loading)
 
     def pool_stats(self) -> QAICConnectorStats:
         stats = QAICConnectorStats()
@@ -255,5 +188,5 @@ class SchedulerSide:
         return stats
 
     def shutdown(self) -> None:
-        self._renewer.close()
+        self.loads.close()
         self._server.close()
