@@ -102,17 +102,13 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     null_before = plain([(k[0], v[0]) for k, v in w.layers])  # block 0: vLLM's null block
     w.bind(QAICConnectorMetadata(loads=[spec]))
     w.start_load_kv()
-    n = spec.end
-    if spec.in_step:  # as vLLM's step does: the forward reads the blocks, then it asks
-        got = by_group(w, spec.block_ids, n)
+    deadline, done = time.monotonic() + 60, None
+    while done is None and time.monotonic() < deadline:
         _, done = w.get_finished()
-    else:
-        deadline, done = time.monotonic() + 60, None
-        while done is None and time.monotonic() < deadline:
-            _, done = w.get_finished()
-            time.sleep(0.01)
-        got = by_group(w, spec.block_ids, n)
+        time.sleep(0.01)
     errors = w.get_block_ids_with_load_errors()
+    n = spec.end
+    got = by_group(w, spec.block_ids, n)
     null_after = plain([(k[0], v[0]) for k, v in w.layers])
     outbox.put(
         {

@@ -97,27 +97,3 @@ def test_a_failing_load_is_reported_failed(exc):
         assert wait_for(loader, 1) == [("x", False)]
     finally:
         loader.shutdown()
-
-
-def test_wait_returns_with_its_loads_reported_and_fails_those_past_the_bound():
-    """An in-step wait: a load parked on a handshake that completes meanwhile still runs
-    (nothing else dispatches it while the engine waits); one stuck on its peer is failed at
-    the bound, and when the peer finally answers it writes nothing."""
-    peers = Peers()
-    handshake_done = threading.Event()
-    loader = Loader(peers.run, peers.fail, timeout_s=30.0)
-    try:
-        parked = loader.submit("parked", "new-peer", handshake_done.is_set)
-        threading.Timer(0.05, handshake_done.set).start()
-        loader.wait([parked], timeout_s=10.0)
-        assert loader.take_finished() == [("parked", True)]  # already in, without polling
-        stuck = loader.submit("dead-1", "dead")
-        quick = loader.submit("good-1", "good")
-        loader.wait([stuck, quick], timeout_s=0.2)
-        assert sorted(loader.take_finished()) == [("dead-1", False), ("good-1", True)]
-        peers.release_dead.set()
-        time.sleep(0.3)
-        assert peers.refused == ["dead-1"] and loader.take_finished() == []
-    finally:
-        peers.release_dead.set()
-        loader.shutdown()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from tests.ranks import rank_meta
@@ -518,59 +518,3 @@ def test_expired_ticket_is_a_load_error_and_a_live_one_carries_its_deadline(deco
     loads = {spec.request_id: spec for spec in meta(out).loads}
     assert loads["old"].remote is None and "expired" in loads["old"].error
     assert loads["new"].error is None and loads["new"].holds_until == fresh["expires_at"]
-
-
-# --- loads inside the step: a small one while the decode computes nothing ---------------
-
-IN_STEP = {"max_sync_load_bytes": 64 << 20}
-
-
-@pytest.fixture
-def idle_decode():
-    sched = make_scheduler("kv_consumer", BS, IN_STEP, engine_id="dec", failure_policy="recompute")
-    yield sched
-    sched.connector.shutdown()
-
-
-def test_an_idle_decode_loads_in_the_step_that_computes_the_last_token(idle_decode):
-    req = make_request("d1", 45, remote_params(45), max_tokens=3)
-    idle_decode.add_request(req)
-    out, _ = step(idle_decode)
-    (load,) = meta(out).loads
-    assert load.in_step and load.end == 44  # vLLM computes at least the last token itself
-    assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"d1": 1}
-    assert req.status == RequestStatus.RUNNING and req.num_computed_tokens == 45
-
-
-def test_a_decode_that_is_busy_or_a_load_too_large_for_a_step_loads_beside_it():
-    busy = make_scheduler("kv_consumer", BS, IN_STEP, engine_id="dec")
-    large = make_scheduler("kv_consumer", BS, {"max_sync_load_bytes": 1}, engine_id="dec2")
-    try:
-        busy.add_request(make_request("local", 40, None, max_tokens=20, first=50))
-        step(busy)  # its prompt: this step computed something
-        for sched in (busy, large):
-            sched.add_request(make_request("d1", 45, remote_params(45)))
-            out, _ = step(sched)
-            (load,) = meta(out).loads
-            assert not load.in_step and load.end == 45
-            assert sched.requests["d1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    finally:
-        busy.connector.shutdown()
-        large.connector.shutdown()
-
-
-def test_a_failed_in_step_load_is_recomputed_and_its_token_thrown_away(idle_decode):
-    req = make_request("d1", 45, remote_params(45), max_tokens=3)
-    idle_decode.add_request(req)
-    out = idle_decode.schedule()
-    (load,) = meta(out).loads
-    runner = ModelRunnerOutput(
-        req_ids=["d1"],
-        req_id_to_index={"d1": 0},
-        sampled_token_ids=[[7]],  # computed from KV that never arrived
-        kv_connector_output=KVConnectorOutput(invalid_block_ids=set(load.block_ids[0])),
-    )
-    idle_decode.update_from_output(out, runner)
-    assert list(req.output_token_ids) == [] and req.num_computed_tokens == 0
-    out, _ = step(idle_decode)
-    assert out.num_scheduled_tokens == {"d1": 45} and not meta(out).loads  # loaded once

@@ -65,7 +65,6 @@ def run_handoff(
     holds_until=0.0,
     window=0,
     async_saves=True,
-    in_step=False,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -135,9 +134,7 @@ def run_handoff(
     )
     claimed = tokens_to_load(num_tokens, d_groups)
     d_blocks = [list(range(3, 3 + blocks_for_tokens(claimed, d_block)))]
-    load = LoadSpec(
-        "d1", (d_blocks[0],), first_token, remote, holds_until=holds_until, in_step=in_step
-    )
+    load = LoadSpec("d1", (d_blocks[0],), first_token, remote, holds_until=holds_until)
     if window:  # the decode keeps the window's blocks; vLLM's null block (0) pads the rest
         d_starts = load_starts(d_groups, claimed, first_token)
         kept = kept_start(claimed, window, d_block) // d_block
@@ -261,33 +258,6 @@ def test_a_read_after_the_lease_ran_out_is_a_load_error():
     )
     assert outs[0]["done"] == {"d1"} and outs[0]["errors"] == {3, 4, 5}
     assert outs[0]["stats"].get("load_failures") == 1
-
-
-@pytest.mark.parametrize("transport", ["shm", "nixl"])
-def test_an_in_step_load_is_in_the_blocks_when_start_load_kv_returns(transport):
-    """vLLM runs the forward right after ``start_load_kv`` of a synchronous load: the KV
-    must be there by then, and the request is not reported received (vLLM never waited)."""
-    results, outs, _ = run_handoff(
-        4, 2, 1, "cuda_hnd", 16, "vllm_cpu", 32, 90, transport=transport, in_step=True
-    )
-    out = outs[0]
-    assert out["done"] is None and out["errors"] == set()
-    assert out["stats"].get("loads_in_step") == 1 and out["stats"].get("loaded_requests") == 1
-    for layer in range(2):
-        for kv in range(2):
-            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 2, layer, kv))
-
-
-def test_a_failed_in_step_load_reports_its_blocks_in_the_same_step():
-    """The region was reused: the blocks are load errors before the step ends, so vLLM
-    throws away the token computed from them and recomputes the prompt."""
-    _, outs, released = run_handoff(
-        4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, stale=1, in_step=True
-    )
-    out = outs[0]
-    assert out["done"] is None and out["errors"] == {3, 4, 5}
-    assert out["stats"].get("load_failures") == 1 and out["stats"].get("loads_in_step") == 1
-    assert "r1" in released
 
 
 # --- segment names: unguessable, private, and only ever the peer's own -----------------------

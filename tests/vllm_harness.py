@@ -44,7 +44,6 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     engine_id: str = "eng",
     max_batched: int = 1024,
-    failure_policy: str = "fail",
 ) -> VllmConfig:
     vllm_qaic_connector.register()
     return VllmConfig(
@@ -61,9 +60,7 @@ def make_vllm_config(
             kv_connector="QAICConnector",
             kv_role=role,
             engine_id=engine_id,
-            # Loads asynchronous unless a test asks: most drive finished_recving by hand.
-            kv_connector_extra_config={"max_sync_load_bytes": 0, **(extra or {})},
-            kv_load_failure_policy=failure_policy,
+            kv_connector_extra_config=extra or {},
         ),
     )
 

@@ -31,9 +31,6 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     lease_s: float = 120.0
     handshake_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
-    # A load this small, arriving while the decode computes nothing, runs inside the step
-    # (no step to wait for after it); larger ones, or any while others decode, beside it.
-    max_sync_load_bytes: int = 64 << 20
     verify_cpu_layout: bool = True
     # Saves on a worker thread, off the engine's step; their blocks are held until done.
     async_saves: bool = True
@@ -63,9 +60,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")
-        for key in ("staging_wait_s", "max_sync_load_bytes"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        if self.staging_wait_s < 0:
+            raise ValueError("staging_wait_s must be >= 0")
         if self.staging_bytes < self.staging_page_bytes:
             raise ValueError(
                 "staging_bytes must hold at least one page "

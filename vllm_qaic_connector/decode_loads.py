@@ -1,8 +1,6 @@
 """A decode's loads, scheduler side: a request's ``kv_transfer_params`` checked, its prompt
-tokens claimed, its blocks handed to the worker as a `LoadSpec`, its lease renewed while it
-waits. A small load that arrives while the engine computes nothing runs inside the step
-that computes the request's last token (vLLM's synchronous load): there is no one to
-overlap with, and the request skips the steps an asynchronous load waits out."""
+tokens claimed (loaded asynchronously, beside the engine's steps), its blocks handed to the
+worker as a `LoadSpec`, its lease renewed while it waits."""
 
 from __future__ import annotations
 
@@ -23,24 +21,17 @@ from vllm_qaic_connector.wire import RemotePrefill, parse_remote_prefill, ticket
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
 
 class DecodeLoads:
-    def __init__(
-        self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], bytes_per_token: int
-    ) -> None:
-        self._key = cfg.shared_key
-        self._groups, self._bytes_per_token = groups, bytes_per_token
-        # Blocks cannot be reported failed one group at a time: only one group loads in step.
-        self._max_in_step = cfg.max_sync_load_bytes if len(groups) == 1 else 0
+    def __init__(self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...]) -> None:
+        self._key, self._groups = cfg.shared_key, groups
         self.renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
-        # request id -> (first token to load, the checked ticket, what is wrong with it, in step)
-        self._matched: dict[str, tuple[int, RemotePrefill | None, str | None, bool]] = {}
+        # request id -> (first token to load, the checked ticket, what is wrong with it)
+        self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # handed to the worker, not yet reported done
-        self._idle = True  # the last step computed nothing
 
     def claim(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
@@ -77,19 +68,15 @@ class DecodeLoads:
         count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
         if count <= 0:
             return 0, False
-        # vLLM computes at least one token in the step of a synchronous load.
-        in_step_count = min(count, len(prompt) - 1 - num_computed_tokens)
-        in_step = self._idle and 0 < in_step_count * self._bytes_per_token <= self._max_in_step
-        count = in_step_count if in_step else count
-        self._matched[request.request_id] = (num_computed_tokens, remote, error, in_step)
-        return count, not in_step
+        self._matched[request.request_id] = (num_computed_tokens, remote, error)
+        return count, True
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks."""
         matched = self._matched.pop(request.request_id, None)
         if matched is None or num_external_tokens == 0:
             return
-        first_token, remote, error, in_step = matched
+        first_token, remote, error = matched
         if request.kv_transfer_params:
             request.kv_transfer_params["do_remote_prefill"] = False  # load once
         starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
@@ -105,19 +92,13 @@ class DecodeLoads:
             self.renewer.holds_until(request.request_id),
             starts,
             first_token + num_external_tokens,
-            in_step,
         )
 
-    def take(self, scheduler_output: SchedulerOutput) -> list[LoadSpec]:
-        """This step's loads, for the worker; the step tells whether the engine is idle."""
-        self._idle = scheduler_output.total_num_scheduled_tokens == 0
+    def take(self) -> list[LoadSpec]:
+        """This step's loads, for the worker."""
         loads = list(self._pending.values())
         self._pending.clear()
-        for spec in loads:
-            if spec.in_step:  # done (or failed, and recomputed) by the end of this step
-                self.renewer.drop(spec.request_id)
-            else:
-                self._loading.add(spec.request_id)
+        self._loading.update(spec.request_id for spec in loads)
         return loads
 
     def received(self, request_ids: set[str]) -> None:

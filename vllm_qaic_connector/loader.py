@@ -4,8 +4,7 @@ handshake resolved), and one peer may hold at most half the threads.
 
 A load past its deadline is reported failed at once (its blocks become load errors and
 ``kv_load_failure_policy`` decides); its thread may still be waiting on the peer, but it can
-no longer write KV blocks: writes go through a gate that the timeout closes. ``wait`` holds
-the engine's thread for loads that must be done within its step, under the same rule.
+no longer write KV blocks: writes go through a gate that the timeout closes.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ Spec = TypeVar("Spec")
 Result = TypeVar("Result")
 LOAD_THREADS = 8
 PER_PEER_THREADS = LOAD_THREADS // 2
-PARKED_POLL_S = 0.001  # while waiting: how soon a load parked on a handshake may start
 
 
 class LoadTimeout(TimeoutError):
@@ -65,7 +63,6 @@ class Loader(Generic[Spec, Result]):
         self._run, self._fail, self.timeout_s = run, fail, timeout_s
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qaic-kv-load")
         self._lock = threading.Lock()
-        self._reported = threading.Condition(self._lock)
         self._in_flight: dict[int, tuple[Spec, WriteGate, float]] = {}
         self._parked: list[tuple[Spec, WriteGate, Hashable, Callable[[], bool] | None]] = []
         self._running: Counter[Hashable] = Counter()
@@ -73,28 +70,13 @@ class Loader(Generic[Spec, Result]):
 
     def submit(
         self, spec: Spec, peer: Hashable = None, ready: Callable[[], bool] | None = None
-    ) -> WriteGate:
+    ) -> None:
         """Runs ``spec`` once ``ready()`` (must not block) and ``peer`` has a free thread."""
         gate = WriteGate()
         with self._lock:
             self._in_flight[id(gate)] = (spec, gate, time.monotonic() + self.timeout_s)
             self._parked.append((spec, gate, peer, ready))
         self._dispatch()
-        return gate
-
-    def wait(self, gates: list[WriteGate], timeout_s: float) -> None:
-        """Returns once the loads of ``gates`` are all reported; those not done within
-        ``timeout_s`` are reported failed then (and can no longer write)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._dispatch()  # nothing else starts a load parked on its peer's handshake
-            with self._lock:
-                late = [self._in_flight[id(g)] for g in gates if id(g) in self._in_flight]
-                left = deadline - time.monotonic()
-                if not late or left <= 0:
-                    break
-                self._reported.wait(min(left, PARKED_POLL_S))
-        self._give_up(late, f"load not done within its step's {timeout_s:g}s")
 
     def _dispatch(self) -> None:
         with self._lock:
@@ -125,20 +107,17 @@ class Loader(Generic[Spec, Result]):
             with self._lock:
                 self._in_flight.pop(id(gate), None)
                 self._finished.append(result)
-                self._reported.notify_all()
-
-    def _give_up(self, loads: list[tuple[Spec, WriteGate, float]], reason: str) -> None:
-        for spec, gate, _ in loads:
-            logger.error("QAICConnector: %s", reason)
-            self._finish(gate, self._fail(spec, reason))
 
     def take_finished(self) -> list[Result]:
         """Loads done since the last call, and loads past their deadline (as failed)."""
         self._dispatch()
         now = time.monotonic()
         with self._lock:
-            overdue = [load for load in self._in_flight.values() if load[2] <= now]
-        self._give_up(overdue, f"load did not finish within load_timeout_s={self.timeout_s:g}")
+            overdue = [(s, g) for s, g, deadline in self._in_flight.values() if deadline <= now]
+        for spec, gate in overdue:
+            reason = f"load did not finish within load_timeout_s={self.timeout_s:g}"
+            logger.error("QAICConnector: %s", reason)
+            self._finish(gate, self._fail(spec, reason))
         with self._lock:
             done, self._finished = self._finished, []
             return done

@@ -10,11 +10,7 @@ from vllm.logger import init_logger
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.decode_loads import DecodeLoads
-from vllm_qaic_connector.kv_groups import (
-    attention_spec,
-    groups_of,
-    has_state,
-)
+from vllm_qaic_connector.kv_groups import attention_spec, groups_of, has_state
 from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.peers import PeerDirectory
 from vllm_qaic_connector.prefill_handoffs import PrefillEngine, PrefillHandoffs
@@ -66,9 +62,7 @@ class SchedulerSide:
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._key = cfg.shared_key
-        layers = sum(len(g.layer_names) for g in kv_cache_config.kv_cache_groups)
-        per_token = geometry.bytes_per_block // geometry.block_size * layers
-        self.loads = DecodeLoads(cfg, self.groups, per_token)
+        self.loads = DecodeLoads(cfg, self.groups)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).
@@ -160,7 +154,7 @@ class SchedulerSide:
         released = self.handoffs.released_direct()  # before drain_freed
         meta = QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
-            loads=self.loads.take(scheduler_output),
+            loads=self.loads.take(),
             invalidate=self.pool.drain_freed(),
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,

@@ -13,7 +13,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS = {
     "loaded_requests": "Requests whose prompt KV was loaded from a prefill engine",
     "loaded_tokens": "Prompt tokens whose KV was loaded from a prefill engine",
-    "loads_in_step": "Loads run inside the engine's step (small, while nothing else ran)",
     "load_failures": "Requests whose KV load failed (handled by kv_load_failure_policy)",
     "saved_requests": "Requests whose KV was staged for a decode engine",
     "saved_tokens": "Tokens whose KV was staged for a decode engine",

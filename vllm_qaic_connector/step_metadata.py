@@ -48,7 +48,6 @@ class LoadSpec:
     holds_until: float = 0.0  # unix time the staging lease is known to hold (0: unchecked)
     starts: tuple[int, ...] = ()  # empty: first_token for every group
     claimed: int = 0  # tokens claimed from the prefill (0: all it staged)
-    in_step: bool = False  # vLLM was told it is synchronous: done before the step computes
 
     def start(self, group: int) -> int:
         return self.starts[group] if self.starts else self.first_token

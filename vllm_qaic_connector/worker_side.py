@@ -59,9 +59,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 
-# An in-step load still running then is failed (and recomputed): a hung peer holds an idle
-# engine's step this long at most.
-IN_STEP_TIMEOUT_S = 0.5
 SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
 
 
@@ -113,7 +110,6 @@ class WorkerSide:
         # With several KV cache groups block ids are not unique, so vLLM takes failed
         # loads by request id (failed_recving) instead of by block.
         self._failed_requests: set[str] = set()
-        self._in_step: set[str] = set()  # loads vLLM takes as synchronous: not "received"
         self._stats = QAICConnectorStats()
         self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
@@ -283,21 +279,13 @@ class WorkerSide:
     def start_load_kv(self) -> None:
         if self._metadata is None or self._loader is None:
             return
-        in_step = []
         for spec in self._metadata.loads:
             if spec.remote is None or spec.error is not None:
-                gate = self._loader.submit(spec)  # fails at once
-            else:
-                peer = (spec.remote.remote_host, spec.remote.remote_port)
-                self.peers.poll(*peer)  # starts the handshake, or retries a failed one
-                gate = self._loader.submit(
-                    spec, peer, functools.partial(self._peer_resolved, *peer)
-                )
-            if spec.in_step:
-                in_step.append(gate)
-                self._in_step.add(spec.request_id)
-        if in_step:  # a failure is reported with this step's output; vLLM recomputes
-            self._loader.wait(in_step, IN_STEP_TIMEOUT_S)
+                self._loader.submit(spec)  # fails at once
+                continue
+            peer = (spec.remote.remote_host, spec.remote.remote_port)
+            self.peers.poll(*peer)  # starts the handshake, or retries one that failed a while ago
+            self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
 
     def _peer_resolved(self, host: str, port: int) -> bool:
         # retry=False: a busy loader that looks late must not start the handshake over.
@@ -317,12 +305,8 @@ class WorkerSide:
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         done: set[str] = set()
         for result in self._loader.take_finished() if self._loader else ():
-            in_step = result.request_id in self._in_step
-            self._in_step.discard(result.request_id)
-            if not in_step:
-                done.add(result.request_id)
+            done.add(result.request_id)
             with self._stats_lock:
-                self._stats.add("loads_in_step", int(in_step))
                 if result.failed_blocks:
                     self._stats.add("load_failures")
                     if len(self.groups) > 1:
