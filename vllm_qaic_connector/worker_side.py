@@ -1,5 +1,6 @@
-"""The worker half: KV cache registration, the handshake metadata, and each step's loads
-and saves handed to `request_loads` / `request_saves`, with their stats."""
+"""The worker half: its transport and peers set up when vLLM registers the KV cache
+(`registration`), the handshake metadata, and each step's loads and saves handed to
+`request_loads` / `request_saves`, with their stats."""
 
 from __future__ import annotations
 
@@ -25,19 +26,16 @@ from vllm_qaic_connector.direct_reads import (
 )
 from vllm_qaic_connector.kv_groups import (
     KVGroup,
-    attention_spec,
     groups_of,
-    layer_groups,
-    ordered_layers,
 )
 from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
 )
-from vllm_qaic_connector.layout_probe import detect_layout
 from vllm_qaic_connector.loader import Loader
 from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
+from vllm_qaic_connector.recurrent_state import RecurrentState
+from vllm_qaic_connector.registration import local_cache, rank_metadata, rank_of
 from vllm_qaic_connector.request_loads import RequestLoads
 from vllm_qaic_connector.request_saves import RequestSaves
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
@@ -48,8 +46,6 @@ from vllm_qaic_connector.transports import KVTransport, create_transport, stagin
 from vllm_qaic_connector.wire import (
     RankMetadata,
     ReleaseRequest,
-    SharedCache,
-    compat_hash,
     parse_ack,
 )
 
@@ -58,8 +54,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
-
-SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
 
 
 @dataclass
@@ -93,9 +87,7 @@ class WorkerSide:
         self.tp_rank, self.tp_size = identity.tp_rank, identity.tp_size
         self.geometry = geometry
         self.cache: LocalCache | None = None  # set by register_kv_caches
-        # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds
-        # the state views (conv, SSM) its kernels use.
-        self.layer_modules: dict[str, Any] = {}
+        self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
         self.incarnation = new_incarnation()
@@ -126,32 +118,8 @@ class WorkerSide:
     def from_vllm(
         cls, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
     ) -> WorkerSide:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-        ktc = vllm_config.kv_transfer_config
-        assert ktc is not None
-        groups = groups_of(kv_cache_config)
-        spec = attention_spec(kv_cache_config)
-        model_cfg = vllm_config.model_config
-        hf = model_cfg.hf_text_config
-        identity = RankIdentity(
-            engine_id=str(ktc.engine_id),
-            tp_rank=get_tensor_model_parallel_rank(),
-            tp_size=vllm_config.parallel_config.tensor_parallel_size,
-            total_kv_heads=model_cfg.get_total_num_kv_heads(),
-            model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
-            produces=bool(ktc.is_kv_producer),
-            ssm_groups=next(
-                (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
-            ),
-        )
-        geometry = KVGeometry(
-            num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
-            head_size=spec.head_size,  # type: ignore[attr-defined]
-            block_size=spec.block_size,
-            dtype=spec.dtype,  # type: ignore[attr-defined]
-        )
-        worker = cls(cfg, identity, geometry, groups)
+        identity, geometry = rank_of(vllm_config, kv_cache_config)
+        worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
         return worker
 
@@ -160,22 +128,11 @@ class WorkerSide:
     def register_kv_caches(
         self, kv_caches: dict[str, torch.Tensor], layout: KVLayout | None = None
     ) -> None:
-        from vllm.model_executor.models.utils import extract_layer_index
-
-        state_names = ordered_layers(self.groups, state=True)
-        names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
-        tensors = [kv_caches[n] for n in names]
-        geo = self.geometry
-        layout = layout or detect_layout(tensors[0], geo)
-        if layout.kind == "vllm_cpu" and self.cfg.verify_cpu_layout:
-            from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
-
-            verify_vllm_cpu_layout(geo.block_size, geo.head_size, geo.dtype)
-        state = self._recurrent_state(state_names, kv_caches) if state_names else None
-        cache = self.cache = LocalCache(
-            layout, geo, [layout.kv_views(t, geo) for t in tensors], tensors,
-            layer_groups(self.groups, names), state,
+        cache = self.cache = local_cache(
+            kv_caches, self.identity, self.geometry, self.groups, self.layer_modules, layout,
+            self.cfg.verify_cpu_layout,
         )  # fmt: skip
+        tensors = cache.tensors
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
         # A shm load maps the prefill's segment: an engine that only loads needs none.
         only_loads = self.cfg.transport == "shm" and not self.identity.produces
@@ -183,7 +140,7 @@ class WorkerSide:
         transport = self.transport = create_transport(
             self.cfg.transport, name, staging, self.cfg.load_timeout_s
         )
-        one_group = state is None and len(self.groups) <= 1
+        one_group = cache.state is None and len(self.groups) <= 1
         if self.cfg.transport == "nixl":  # peers' READs come from the cache or land in it
             direct = one_group and self.cfg.nixl_direct_reads
             shared = register_kv_cache(tensors, transport) if direct else None
@@ -191,9 +148,10 @@ class WorkerSide:
             direct = one_group and self.cfg.direct_reads
             shared = share_kv_cache(tensors) if direct and self.identity.produces else None
         self.saves = RequestSaves(self.cfg, cache, RegionHeaders(transport.staging), self._copies)
-        self.rank_meta = self.peers.ours = self._rank_metadata(
-            cache, shared if self.identity.produces else None, direct
-        )
+        self.rank_meta = self.peers.ours = rank_metadata(
+            self.identity, self.incarnation, cache, self.groups, transport.endpoint(),
+            shared if self.identity.produces else None, host_identity() if direct else "",
+        )  # fmt: skip
         self.loads = RequestLoads(
             self.cfg,
             self.identity,
@@ -207,64 +165,9 @@ class WorkerSide:
         self._loader = Loader(self.loads.load, self.loads.failed, self.cfg.load_timeout_s)
         logger.info(
             "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
-            self.tp_rank, layout.kind, len(tensors), geo.block_size, self.cfg.transport,
+            self.tp_rank, cache.layout.kind, len(tensors), self.geometry.block_size,
+            self.cfg.transport,
         )  # fmt: skip
-
-    def _recurrent_state(
-        self, names: list[str], kv_caches: dict[str, torch.Tensor]
-    ) -> RecurrentState:
-        layers = tuple(self._state_tensors(n, kv_caches) for n in names)
-        splits = [
-            mixer_splits(self.layer_modules.get(n), t, self.identity.ssm_groups, self.tp_size)
-            for n, t in zip(names, layers, strict=True)
-        ]
-        return RecurrentState(
-            layers,
-            layer_groups(self.groups, names),
-            () if None in splits else tuple(s for s in splits if s is not None),
-            self.tp_size,
-            self.tp_rank,
-        )
-
-    def _rank_metadata(
-        self, cache: LocalCache, shared: SharedCache | None, direct: bool
-    ) -> RankMetadata:
-        """What this rank's handshake says."""
-        assert self.transport is not None
-        model, geo, tensors = self.identity.model, self.geometry, cache.tensors
-        dtype = str(geo.dtype).removeprefix("torch.")
-        total_heads = self.identity.total_kv_heads
-        windows = tuple(self.groups[g].window for g in cache.layer_groups) if self.groups else ()
-        states = cache.state.signature() if cache.state else ()
-        return RankMetadata(
-            engine_id=self.engine_id,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            layout_kind=cache.layout.kind,
-            block_size=geo.block_size,
-            num_blocks=tensors[0].shape[cache.layout.block_dim],
-            num_kv_heads=total_heads,
-            head_size=geo.head_size,
-            dtype=dtype,
-            num_layers=len(tensors),
-            model=model,
-            compat_hash=compat_hash(
-                model, dtype, len(tensors), total_heads, geo.head_size, windows, states
-            ),
-            endpoint=self.transport.endpoint(),
-            incarnation=self.incarnation,
-            cache=shared,
-            host=host_identity() if direct else "",
-        )
-
-    def _state_tensors(self, name: str, kv_caches: dict[str, Any]) -> tuple[torch.Tensor, ...]:
-        module = self.layer_modules.get(name)
-        state = module.kv_cache if module is not None else kv_caches[name]
-        if not isinstance(state, (list, tuple)) or not all(
-            isinstance(t, torch.Tensor) and t.dim() >= 2 for t in state
-        ):
-            raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
-        return tuple(state)
 
     def handshake_metadata(self) -> QAICHandshakeMetadata | None:
         return None if self.rank_meta is None else QAICHandshakeMetadata(self.rank_meta)
