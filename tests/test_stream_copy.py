@@ -74,11 +74,10 @@ def test_block_ranges_copy_exactly_the_named_blocks_of_every_layout(kind):
     def extents(t: torch.Tensor) -> BlockExtents:
         return BlockExtents.of(t.shape, t.stride(), layout.block_dim)
 
-    ranges = block_ranges(
-        extents(src), src.data_ptr(), extents(dst), dst.data_ptr(), runs, src.element_size()
-    )
-    assert len(ranges[2]) == 4 * len(extents(src).planes)  # a range per run and plane
-    assert stream_copy.copy_ranges(*ranges) == len(src_blocks) * GEO.bytes_per_block
+    frm, to, sizes = block_ranges(extents(src), extents(dst), runs, src.element_size())
+    assert len(sizes) == 4 * len(extents(src).planes)  # a range per run and plane
+    copied = stream_copy.copy_ranges(frm + src.data_ptr(), to + dst.data_ptr(), sizes)
+    assert copied == len(src_blocks) * GEO.bytes_per_block
     s_views, d_views = layout.kv_views(src, GEO), layout.kv_views(dst, GEO)
     for s_view, d_view in zip(s_views, d_views, strict=True):
         assert torch.equal(s_view[src_blocks], d_view[dst_blocks])
@@ -94,12 +93,12 @@ def test_blocks_with_gaps_between_them_are_copied_block_by_block():
     src = padded.as_strided(shape, (elems + 64, *layout.allocate(1, GEO).stride()[1:]))
     dst = layout.allocate(12, GEO)
     runs = block_runs([2, 3, 4, 9], [5, 6, 7, 0])  # a run of three, then one
-    ranges = block_ranges(
-        BlockExtents.of(src.shape, src.stride(), 0), src.data_ptr(),
-        BlockExtents.of(dst.shape, dst.stride(), 0), dst.data_ptr(), runs, 2,
+    frm, to, sizes = block_ranges(
+        BlockExtents.of(src.shape, src.stride(), 0), BlockExtents.of(dst.shape, dst.stride(), 0),
+        runs, 2,
     )  # fmt: skip
-    assert len(ranges[2]) == 4  # one range per block on the padded side
-    stream_copy.copy_ranges(*ranges)
+    assert len(sizes) == 4  # one range per block on the padded side
+    stream_copy.copy_ranges(frm + src.data_ptr(), to + dst.data_ptr(), sizes)
     for s_view, d_view in zip(layout.kv_views(src, GEO), layout.kv_views(dst, GEO), strict=True):
         assert torch.equal(s_view[[2, 3, 4, 9]], d_view[[5, 6, 7, 0]])
         assert not d_view[[1, 2, 3, 4, 8, 9, 10, 11]].any()

@@ -137,7 +137,7 @@ def cache_ranges(
         raise ValueError("direct reads need our layers in one shape and stride")
     ours = BlockExtents.of(first.shape, first.stride(), src.block_dim)
     runs, item = block_runs(*blocks), first.element_size()
-    frm, to, sizes = block_ranges(src.extents, 0, ours, 0, runs, item)
+    frm, to, sizes = block_ranges(src.extents, ours, runs, item)
     # the layers share one plan: a row of it per layer, shifted to the layer's base
     src_at = np.asarray(src_bases, dtype=np.int64)[:, None] + frm
     dst_at = np.asarray([t.data_ptr() for t in layers], dtype=np.int64)[:, None] + to

@@ -435,25 +435,20 @@ class BlockExtents:
 
 
 def block_ranges(
-    src: BlockExtents,
-    src_base: int,
-    dst: BlockExtents,
-    dst_base: int,
-    runs: Sequence[tuple[int, int, int]],
-    itemsize: int,
+    src: BlockExtents, dst: BlockExtents, runs: Sequence[tuple[int, int, int]], itemsize: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(source addresses, destination addresses, byte counts) that copy the whole blocks of
-    ``runs`` (`block_runs`) of every plane between two layers of one layout at byte
-    addresses ``src_base`` and ``dst_base``: a range per run where blocks lie back to back
-    on both sides, else per block. No Python loop per block."""
+    """(source offsets, destination offsets, byte counts), from each layer's start, that
+    copy the whole blocks of ``runs`` (`block_runs`) of every plane between two layers of
+    one layout: a range per run where blocks lie back to back on both sides, else per
+    block. No Python loop per block."""
     if len(src.planes) != len(dst.planes) or src.elems != dst.elems:
         raise ValueError(f"block extents differ: {src} vs {dst}")
     s0, d0, count = np.asarray(runs, dtype=np.int64).reshape(-1, 3).T
     if src.stride != src.elems or dst.stride != dst.elems:  # gaps between blocks
         s0, d0 = _each_block(s0, count), _each_block(d0, count)
         count = np.ones_like(s0)
-    frm = [src_base + (p + s0 * src.stride) * itemsize for p in src.planes]
-    to = [dst_base + (p + d0 * dst.stride) * itemsize for p in dst.planes]
+    frm = [(p + s0 * src.stride) * itemsize for p in src.planes]
+    to = [(p + d0 * dst.stride) * itemsize for p in dst.planes]
     sizes = np.tile(count * (src.elems * itemsize), len(src.planes))
     return np.concatenate(frm), np.concatenate(to), sizes
 
