@@ -88,10 +88,10 @@ def test_a_copy_that_drops_the_last_token_is_caught(
 
         return short
 
-    def short_ranges(src, src_base, dst, dst_base, runs, itemsize):  # direct: no last block
+    def short_ranges(src, dst, runs, itemsize):  # direct: no last block
         s0, d0, n = runs[-1]
         runs = [*runs[:-1], *([(s0, d0, n - 1)] if n > 1 else [])]
-        return real_ranges(src, src_base, dst, dst_base, runs, itemsize)
+        return real_ranges(src, dst, runs, itemsize)
 
     real_ranges = direct_reads.block_ranges
     # staged saves and loads, and direct copies between formats
