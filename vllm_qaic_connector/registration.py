@@ -9,7 +9,7 @@ import torch
 
 from vllm_qaic_connector.kv_groups import KVGroup, attention_spec, layer_groups, ordered_layers
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
-from vllm_qaic_connector.layout_probe import detect_layout
+from vllm_qaic_connector.layout_probe import detect_layout, verify_vllm_cpu_layout
 from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.this_rank import LocalCache, RankIdentity
 from vllm_qaic_connector.wire import RankMetadata, SharedCache, TransportEndpoint, compat_hash
@@ -70,8 +70,6 @@ def local_cache(
     tensors = [kv_caches[n] for n in names]
     layout = layout or detect_layout(tensors[0], geometry)
     if layout.kind == "vllm_cpu" and verify_cpu_layout:
-        from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout
-
         verify_vllm_cpu_layout(geometry.block_size, geometry.head_size, geometry.dtype)
     state = None
     if state_names:

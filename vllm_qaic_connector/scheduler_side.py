@@ -152,14 +152,13 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self.releases.expire()
         released = self.handoffs.released_direct()  # before drain_freed
-        meta = QAICConnectorMetadata(
+        return QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
             loads=self.loads.take(),
             invalidate=self.pool.drain_freed(),
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,
         )
-        return meta
 
     def update_connector_output(
         self, finished_recving: set[str] | None, acks: list[ReleaseRequest]

@@ -50,12 +50,13 @@ class StagingReleases:
 
     def expire(self) -> None:
         for rid in self.pool.expire():
-            self._expired += 1
-            with self._lock:
+            with self._lock:  # the side-channel thread and the engine's both expire
+                self._expired += 1
                 self._acks.pop(rid, None)
             logger.warning("QAICConnector: staging lease of request %s expired", rid)
 
     def take_expired(self) -> int:
         """Leases expired since the last call."""
-        expired, self._expired = self._expired, 0
-        return expired
+        with self._lock:
+            expired, self._expired = self._expired, 0
+            return expired
