@@ -4,15 +4,16 @@ vLLM's NixlConnector (CPU host buffer), 1P1D on the shipped model, same prompts.
     make compare                                   # 64 prompts, concurrency 8 and 1
     .venv/bin/python benchmarks/compare_e2e.py --quick --json out.json --plot out.png
 
-Each setup gets its own real servers (prefill on core 0, decode on core 1, the proxy in front;
-aggregated: one server on core 0), started, warmed with two requests, measured, stopped. Per
-setup and concurrency it prints TTFT p50/p95 (first streamed text), the prefill leg's p50
-within it (the proxy's Server-Timing header), TPOT, agreement with the
-aggregated answers, correct copies, stalls (TTFT over 5 s), the servers' CPU seconds per
-request, and ratios: TTFT p50 to aggregated and to NixlConnector's. Then prefill throughput
-with the connector (max_tokens 1, ``do_remote_decode``) against the aggregated server on the
-same prompts, and on the connector's prefill server alone, staged against plain prefills in
-alternating rounds (servers minutes apart drift by more than the connector costs).
+Each setup gets its own real servers (every thread of the prefill on core 0, of the decode
+on core 1, the proxy in front and this client on core 1; aggregated: one server on core 0),
+started, warmed with two requests, measured, stopped. Per setup and concurrency it prints
+TTFT p50/p95 (first streamed text), the prefill leg's p50 within it (the proxy's
+Server-Timing header), TPOT, agreement with the aggregated answers, correct copies, stalls
+(TTFT over 5 s), the servers' CPU seconds per request, and ratios: TTFT p50 to aggregated
+and to NixlConnector's. Then prefill throughput with the connector (max_tokens 1,
+``do_remote_decode``) against the aggregated server on the same prompts, and on the
+connector's prefill server alone, staged against plain prefills in alternating rounds
+(servers minutes apart drift by more than the connector costs).
 Targets (issue #13) are printed as met or not; nothing is asserted on time.
 Exit status 1 if any answer of this connector disagrees with the aggregated one.
 """
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import math
+import os
 import random
 import shlex
 import statistics
@@ -143,11 +146,14 @@ def start(
     run: LiveRun,
     extra: dict[str, Any] | None = None,
     prefill_args: tuple[str, ...] = (),
+    server_args: tuple[str, ...] = (),
 ) -> tuple[str, str | None, list[Server]]:
     """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server);
-    ``extra``: this connector's extra config; ``prefill_args``: every prefill server's."""
+    ``extra``: this connector's extra config; ``prefill_args``: every prefill server's;
+    ``server_args``: every vLLM server's."""
+    both, prefill_args = list(server_args), (*server_args, *prefill_args)
     if setup == "aggregated":
-        agg = run.vllm("aggregated", "0", None)
+        agg = run.vllm("aggregated", "0", None, extra_args=both)
         wait_all_ready(agg, retries=1)
         return agg.url, None, [agg]
     if setup == "nixl-connector":
@@ -163,7 +169,7 @@ def start(
             )
             for name, core, port, args in (
                 ("prefill", "0", ports[0], list(prefill_args)),
-                ("decode", "1", ports[1], []),
+                ("decode", "1", ports[1], both),
             )
         )
         proxy = run.proxy([p.url], [d.url])
@@ -173,7 +179,7 @@ def start(
         p_kv = kv_config("kv_producer", run.engine_id("p"), 0, transport, **(extra or {}))
         p = run.vllm("prefill", "0", p_kv, extra_args=list(prefill_args))
         d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport, **(extra or {}))
-        d = run.vllm("decode", "1", d_kv, extra_args=decode_block)
+        d = run.vllm("decode", "1", d_kv, extra_args=both + decode_block)
         proxy = run.proxy([p.url], [d.url], [d.side_channel])
     wait_all_ready(p, d, proxy, retries=1)
     return proxy.url, p.url, [p, d, proxy]
@@ -242,6 +248,23 @@ def alternated_rates(url: str, prompts: list[str]) -> list[float]:
     return ratios
 
 
+def pin(servers: list[Server]) -> None:
+    """vLLM binds only its OpenMP threads to its core (``VLLM_CPU_OMP_THREADS_BIND``); its
+    API server and engine core would float onto the other core (the aggregated server's
+    engine core spun there at 88% of a core). Every thread of a server goes on its core;
+    the proxy and this client on core 1, away from core 0, where the aggregated server or
+    the prefill runs: the prefill's core is what limits a P/D setup's rate."""
+    if not {0, 1} <= os.sched_getaffinity(0):
+        return  # not the two-core host this is laid out for
+    os.sched_setaffinity(0, {1})
+    for s in servers:
+        core = int(s.env.get("VLLM_CPU_OMP_THREADS_BIND", "1"))
+        tids = (t for pid in s.pids() for t in os.listdir(f"/proc/{pid}/task"))
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                os.sched_setaffinity(int(tid), {core})
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--prompts", type=int, default=64)
@@ -266,6 +289,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         type=lambda s: tuple(shlex.split(s)),
         default=(),
         help='more vllm serve arguments for every prefill server, e.g. "--max-num-seqs 2"',
+    )
+    p.add_argument(
+        "--server-args",
+        type=lambda s: tuple(shlex.split(s)),
+        default=(),
+        help='more vllm serve arguments for every server, e.g. "--dtype bfloat16"',
+    )
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="pin every server's threads to its core, the proxy and this client to core 1",
     )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
@@ -297,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         with LiveRun(f"cmp{setup}") as run:
             extra = {"async_saves": False} if args.sync_saves else None
-            url, prefill_url, servers = start(setup, run, extra, args.prefill_args)
+            url, prefill_url, servers = start(
+                setup, run, extra, args.prefill_args, args.server_args
+            )
+            if args.pin:
+                pin(servers)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
             # Warm at the highest concurrency: a first batch of new shape is several times
             # slower on vLLM's CPU backend, and a P/D pair has two engines to warm.
