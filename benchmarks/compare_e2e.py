@@ -151,9 +151,9 @@ def start(
     """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server);
     ``extra``: this connector's extra config; ``prefill_args``: every prefill server's;
     ``server_args``: every vLLM server's."""
-    both, prefill_args = list(server_args), (*server_args, *prefill_args)
+    every, prefill = list(server_args), [*server_args, *prefill_args]
     if setup == "aggregated":
-        agg = run.vllm("aggregated", "0", None, extra_args=both)
+        agg = run.vllm("aggregated", "0", None, extra_args=every)
         wait_all_ready(agg, retries=1)
         return agg.url, None, [agg]
     if setup == "nixl-connector":
@@ -168,8 +168,8 @@ def start(
                 extra_env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)},
             )
             for name, core, port, args in (
-                ("prefill", "0", ports[0], list(prefill_args)),
-                ("decode", "1", ports[1], both),
+                ("prefill", "0", ports[0], prefill),
+                ("decode", "1", ports[1], every),
             )
         )
         proxy = run.proxy([p.url], [d.url])
@@ -177,9 +177,9 @@ def start(
         transport = "nixl" if setup == "qaic-nixl" else "shm"
         decode_block = ["--block-size", "32"] if setup.endswith("128to32") else []
         p_kv = kv_config("kv_producer", run.engine_id("p"), 0, transport, **(extra or {}))
-        p = run.vllm("prefill", "0", p_kv, extra_args=list(prefill_args))
+        p = run.vllm("prefill", "0", p_kv, extra_args=prefill)
         d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport, **(extra or {}))
-        d = run.vllm("decode", "1", d_kv, extra_args=both + decode_block)
+        d = run.vllm("decode", "1", d_kv, extra_args=every + decode_block)
         proxy = run.proxy([p.url], [d.url], [d.side_channel])
     wait_all_ready(p, d, proxy, retries=1)
     return proxy.url, p.url, [p, d, proxy]
@@ -258,7 +258,7 @@ def pin(servers: list[Server]) -> None:
         return  # not the two-core host this is laid out for
     os.sched_setaffinity(0, {1})
     for s in servers:
-        core = int(s.env.get("VLLM_CPU_OMP_THREADS_BIND", "1"))
+        core = int(s.env.get("VLLM_CPU_OMP_THREADS_BIND", "1"))  # the proxy: none, core 1
         tids = (t for pid in s.pids() for t in os.listdir(f"/proc/{pid}/task"))
         for tid in tids:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended
@@ -294,7 +294,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--server-args",
         type=lambda s: tuple(shlex.split(s)),
         default=(),
-        help='more vllm serve arguments for every server, e.g. "--dtype bfloat16"',
+        help='more vllm serve arguments for every server, e.g. "--dtype float32"',
     )
     p.add_argument(
         "--pin",
