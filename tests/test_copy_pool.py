@@ -26,7 +26,7 @@ def test_a_split_runs_its_second_half_on_the_other_thread(pool: CopyPool) -> Non
         seen.append((lo, hi, threading.current_thread().name))
         return hi - lo
 
-    assert pool.split(work, 10, 3) == 10
+    assert pool.split(work, 10, copy_pool.SPLIT_MIN_BYTES, 3) == 10
     assert sorted(seen)[0][:2] == (0, 3) and sorted(seen)[1][:2] == (3, 10)
     threads = {name for _, _, name in seen}
     assert threading.current_thread().name in threads and len(threads) == 2
@@ -44,7 +44,8 @@ def test_a_copy_runs_whole_here_while_the_other_thread_is_busy(pool: CopyPool) -
         return hi - lo
 
     done: list[int] = []
-    first = threading.Thread(target=lambda: done.append(pool.split(big, 8)))
+    big_copy = copy_pool.SPLIT_MIN_BYTES
+    first = threading.Thread(target=lambda: done.append(pool.split(big, 8, big_copy)))
     first.start()
     assert started.wait(10)
     where: list[str] = []
@@ -54,7 +55,7 @@ def test_a_copy_runs_whole_here_while_the_other_thread_is_busy(pool: CopyPool) -
         return hi - lo
 
     finished = threading.Event()
-    threading.Thread(target=lambda: (pool.split(small, 4), finished.set())).start()
+    threading.Thread(target=lambda: (pool.split(small, 4, big_copy), finished.set())).start()
     try:
         assert finished.wait(5), "the small copy queued behind the big one's half"
         assert len(where) == 1 and not where[0].startswith("qaic-kv-copy")
@@ -65,7 +66,19 @@ def test_a_copy_runs_whole_here_while_the_other_thread_is_busy(pool: CopyPool) -
     # the thread is free again (its release runs just after the big copy's result): split
     for _ in range(100):
         where.clear()
-        assert pool.split(small, 4) == 4
+        assert pool.split(small, 4, big_copy) == 4
         if any(name.startswith("qaic-kv-copy") for name in where):
             break
     assert len(where) == 2 and any(name.startswith("qaic-kv-copy") for name in where)
+
+
+def test_a_small_copy_runs_whole_here(pool: CopyPool) -> None:
+    """Under SPLIT_MIN_BYTES the other thread's handoff costs more than its half saves."""
+    seen: list[tuple[int, int, str]] = []
+
+    def work(lo: int, hi: int) -> int:
+        seen.append((lo, hi, threading.current_thread().name))
+        return hi - lo
+
+    assert pool.split(work, 10, copy_pool.SPLIT_MIN_BYTES - 1) == 10
+    assert seen == [(0, 10, threading.current_thread().name)]

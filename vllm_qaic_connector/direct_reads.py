@@ -259,7 +259,10 @@ class DirectReader:
         frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
         return self._copies.split(
-            lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]), len(sizes), half
+            lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]),
+            len(sizes),
+            int(sizes.sum()),
+            half,
         )
 
     def convert(

@@ -210,21 +210,34 @@ def copy_layers(
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
     ints = _INTS[k_out.element_size()]
-    for b in _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks)):
-        for plane in (0, 1):
-            s_ = [s[plane][:, h.start : h.stop, : b.n] for s in src]
-            d_ = [d[plane][:, h.dst_start : h.dst_start + nh, : b.n] for d in dst]
-            native = _native_plan(s_, d_)
-            if native:
-                frm, to = _addresses(s_, b.src_ids, b.src_at), _addresses(d_, b.dst_ids, b.dst_at)
-                native.copy(frm, to)
+    batches = _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks))
+    for plane in (0, 1):
+        s_ = [s[plane][:, h.start : h.stop] for s in src]
+        d_ = [d[plane][:, h.dst_start : h.dst_start + nh] for d in dst]
+        # Planned once per call: one shape and strides on each side, so one plan per run
+        # length and every layer's blocks as addresses from the layers' bases.
+        native = NATIVE and _one_cpu_shape(s_, d_)
+        bases = (_bases(s_), _bases(d_)) if native else None
+        for b in batches:
+            plan = _native_plan(s_[0], d_[0], b.n) if bases else None
+            if plan and bases:
+                plan.copy(_addresses(s_[0], bases[0], b.src_ids, b.src_at),
+                          _addresses(d_[0], bases[1], b.dst_ids, b.dst_at))  # fmt: skip
                 continue
             for so, do, src_ids, dst_ids in b.parts:
-                for one_src, one_dst in zip(src, dst, strict=True):
-                    s_one = one_src[plane][:, h.start : h.stop, so : so + b.n]
-                    d_one = one_dst[plane][:, h.dst_start : h.dst_start + nh, do : do + b.n]
-                    _copy_one_layer(s_one, src_ids, d_one, dst_ids, ints)
-    return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(src)
+                for s_one, d_one in zip(s_, d_, strict=True):
+                    _copy_one_layer(s_one[:, :, so : so + b.n], src_ids,
+                                    d_one[:, :, do : do + b.n], dst_ids, ints)  # fmt: skip
+    return tokens_bytes(dst, t0, t1, h)
+
+
+def tokens_bytes(layers: Sequence[KV], t0: int, t1: int, heads: HeadRange | None = None) -> int:
+    """The bytes of K and V of tokens ``[t0, t1)`` of ``heads`` (all: None) in ``layers``."""
+    if not layers:
+        return 0
+    k = layers[0][0]
+    nh = heads.stop - heads.start if heads else k.shape[1]
+    return 2 * nh * (t1 - t0) * k.shape[3] * k.element_size() * len(layers)
 
 
 def layer_runs(num_layers: int, *keys: Callable[[int], int]) -> list[tuple[tuple[int, ...], slice]]:
@@ -240,14 +253,19 @@ def layer_runs(num_layers: int, *keys: Callable[[int], int]) -> list[tuple[tuple
     return runs
 
 
-def _native_plan(
-    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
+def _native_plan(src: torch.Tensor, dst: torch.Tensor, n: int) -> BlockRows | BlockTiles | None:
+    """How the native copy moves ``n`` tokens of each block of these views, where it can
+    and is faster than numpy."""
+    shape = (*src.shape[1:2], n, *src.shape[3:])
+    return _block_plan(shape, src.stride()[1:], dst.stride()[1:], src.element_size())
+
+
+@functools.lru_cache(maxsize=256)  # a few shapes per layout pair, asked per copy
+def _block_plan(
+    shape: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...], item: int
 ) -> BlockRows | BlockTiles | None:
-    """How the native copy moves each block of these views, where it can and is faster
-    than numpy."""
-    if not NATIVE or not _one_cpu_shape(src, dst):
-        return None
-    return block_rows(src[0], dst[0]) or block_tiles(src[0], dst[0])
+    dims = [(n, a, b) for n, a, b in zip(shape, src_strides, dst_strides, strict=True) if n > 1]
+    return block_rows(dims, item) or block_tiles(dims, item)
 
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
@@ -270,30 +288,27 @@ _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MIN_ROW_BYTES = 16
 
 
-def block_tiles(src: torch.Tensor, dst: torch.Tensor) -> BlockTiles | None:
-    """How to copy block ``src[i]`` to ``dst[j]`` where one dim is contiguous in the source
-    and another in the destination (K of vllm_cpu, stored transposed, against any other
-    layout). None for anything else."""
-    dims = [(n, a, b) for n, a, b in zip(src.shape[1:], src.stride()[1:], dst.stride()[1:],
-                                         strict=True) if n > 1]  # fmt: skip
+Dims = list[tuple[int, int, int]]  # a block's (size, source stride, destination stride)
+
+
+def block_tiles(dims: Dims, item: int) -> BlockTiles | None:
+    """How to copy a block of ``dims`` (elements of ``item`` bytes) where one dim is
+    contiguous in the source and another in the destination (K of vllm_cpu, stored
+    transposed, against any other layout). None for anything else."""
     along_src = [i for i, d in enumerate(dims) if d[1] == 1]
     along_dst = [i for i, d in enumerate(dims) if d[2] == 1]
     if len(dims) > 3 or not along_src or not along_dst or along_src == along_dst:
         return None
     r, c = dims[along_src[0]], dims[along_dst[0]]
     o = next((d for i, d in enumerate(dims) if i not in (along_src[0], along_dst[0])), (1, 0, 0))
-    item = src.element_size()
     strides = (o[2], r[2], c[2], o[1], r[1], c[1])  # destination's, then source's
     return BlockTiles(o[0], r[0], c[0], item, *(x * item for x in strides))
 
 
-def block_rows(src: torch.Tensor, dst: torch.Tensor) -> BlockRows | None:
-    """How to copy block ``src[i]`` to ``dst[j]`` (``[blocks, heads, tokens, head_dim]``
-    views of one shape): dims contiguous on both sides merge into the row, the rest (two at
-    most) stay loops. None where rows would be shorter than `MIN_ROW_BYTES`."""
-    item = src.element_size()
-    dims = [(n, a, b) for n, a, b in zip(src.shape[1:], src.stride()[1:], dst.stride()[1:],
-                                         strict=True) if n > 1]  # fmt: skip
+def block_rows(dims: Dims, item: int) -> BlockRows | None:
+    """How to copy a block of ``dims`` (elements of ``item`` bytes): dims contiguous on
+    both sides merge into the row, the rest (two at most) stay loops. None where rows
+    would be shorter than `MIN_ROW_BYTES`."""
     # the dim of adjacent elements on both sides (vLLM CPU's K: tokens) starts the row
     dims = [d for d in dims if d[1:] != (1, 1)] + [d for d in dims if d[1:] == (1, 1)]
     chunk = 1
@@ -315,16 +330,21 @@ def _one_cpu_shape(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> 
     )
 
 
-def _addresses(views: Sequence[torch.Tensor], ids: np.ndarray, at: np.ndarray) -> np.ndarray:
-    """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view (of one shape
-    and strides), view by view; the ids must lie inside them (copied by address, so nothing
-    else checks them)."""
-    n = views[0].shape[0]
+def _bases(views: Sequence[torch.Tensor]) -> np.ndarray:
+    return np.array([v.data_ptr() for v in views], dtype=np.int64)
+
+
+def _addresses(
+    view: torch.Tensor, bases: np.ndarray, ids: np.ndarray, at: np.ndarray
+) -> np.ndarray:
+    """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view starting at
+    ``bases`` (of ``view``'s shape and strides), view by view; the ids must lie inside
+    them (copied by address, so nothing else checks them)."""
+    n = view.shape[0]
     if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
         raise IndexError(f"block ids {int(ids.min())}..{int(ids.max())} outside 0..{n - 1}")
-    item = views[0].element_size()
-    offsets = ids * (views[0].stride(0) * item) + at * (views[0].stride(2) * item)
-    bases = np.array([v.data_ptr() for v in views], dtype=np.int64)
+    item = view.element_size()
+    offsets = ids * (view.stride(0) * item) + at * (view.stride(2) * item)
     return np.add.outer(bases, offsets).ravel().astype(np.uint64)
 
 

@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+_FREE, _USED = b"\x01", b"\x00"
+
 
 @dataclass
 class Lease:
@@ -23,14 +25,18 @@ class StagingPool:
     """A fixed number of fixed-size pages; a request takes one contiguous run.
 
     Never grows: when no run fits, ``allocate`` returns None and the caller waits or fails.
-    Thread-safe, since releases arrive on the side-channel thread.
+    Thread-safe, since releases arrive on the side-channel thread. The engine asks for
+    pages, expiries and usage every step, so none of that walks every page or lease in
+    Python: runs are found by a byte search, expiry waits for the earliest deadline.
     """
 
     def __init__(self, num_pages: int, page_bytes: int, lease_s: float) -> None:
         self.num_pages, self.page_bytes, self.lease_s = num_pages, page_bytes, lease_s
-        self._free = [True] * num_pages
+        self._free = bytearray(_FREE) * num_pages  # one byte per page
         self._leases: dict[str, Lease] = {}
         self._freed: list[int] = []  # offsets given up since `drain_freed`
+        self._in_use = 0  # pages
+        self._next_expiry = math.inf  # no lease ends before this (renewals only delay)
         self._lock = threading.Lock()
 
     def pages_for(self, num_bytes: int) -> int:
@@ -47,21 +53,15 @@ class StagingPool:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already staged")
-            start = self._find_run(need)
-            if start is None:
+            start = self._free.find(_FREE * need)
+            if start < 0:
                 return None
-            self._free[start : start + need] = [False] * need
+            self._free[start : start + need] = _USED * need
+            self._in_use += need
             expires = (time.monotonic() if now is None else now) + self.lease_s
+            self._next_expiry = min(self._next_expiry, expires)
             self._leases[request_id] = Lease(start, need, expires)
             return start * self.page_bytes
-
-    def _find_run(self, need: int) -> int | None:
-        run = 0
-        for p, free in enumerate(self._free):
-            run = run + 1 if free else 0
-            if run == need:
-                return p - need + 1
-        return None
 
     def release(self, request_id: str) -> bool:
         with self._lock:
@@ -69,7 +69,8 @@ class StagingPool:
             if lease is None:
                 return False
             first, n = lease.first_page, lease.num_pages
-            self._free[first : first + n] = [True] * n
+            self._free[first : first + n] = _FREE * n
+            self._in_use -= n
             self._freed.append(first * self.page_bytes)
             return True
 
@@ -84,7 +85,11 @@ class StagingPool:
         """Release every lease past its deadline; returns their request ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
+            if now < self._next_expiry:
+                return []
             expired = [rid for rid, lease in self._leases.items() if lease.expires_at <= now]
+            live = [lease.expires_at for lease in self._leases.values() if lease.expires_at > now]
+            self._next_expiry = min(live, default=math.inf)
         return [rid for rid in expired if self.release(rid)]
 
     def renew(self, request_id: str, now: float | None = None) -> bool:
@@ -110,4 +115,4 @@ class StagingPool:
     @property
     def pages_in_use(self) -> int:
         with self._lock:
-            return sum(lease.num_pages for lease in self._leases.values())
+            return self._in_use
