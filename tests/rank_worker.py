@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_qaic_connector import worker_side
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv_groups import KVGroup
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
@@ -100,9 +101,14 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     spec: LoadSpec = inbox.get(timeout=120)
     before = by_group(w, spec.block_ids, spec.first_token)
     null_before = plain([(k[0], v[0]) for k, v in w.layers])  # block 0: vLLM's null block
-    w.bind(QAICConnectorMetadata(loads=[spec]))
+    # idle: the engine computes nothing this step, so the worker waits for this load
+    # (here up to 60 s, its handshake included) and reports it in the same step.
+    worker_side.IDLE_LOAD_WAIT_S = 60.0
+    w.bind(QAICConnectorMetadata(loads=[spec], idle=args.get("idle", False)))
     w.start_load_kv()
     deadline, done = time.monotonic() + 60, None
+    _, first = w.get_finished()
+    done = first
     while done is None and time.monotonic() < deadline:
         _, done = w.get_finished()
         time.sleep(0.01)
@@ -113,6 +119,7 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     outbox.put(
         {
             "done": done,
+            "first": first,
             "errors": errors,
             "got": got,
             "prefix_before": before,

@@ -97,3 +97,25 @@ def test_a_failing_load_is_reported_failed(exc):
         assert wait_for(loader, 1) == [("x", False)]
     finally:
         loader.shutdown()
+
+
+def test_wait_returns_when_these_loads_are_done_or_at_its_bound():
+    """An idle engine waits for the loads it just started: a quick one is reported by the
+    same step; one stuck on a dead peer (or started earlier) holds the wait only to its
+    bound, and stays in flight."""
+    peers = Peers()
+    loader = Loader(peers.run, peers.fail, timeout_s=30.0)
+    try:
+        stuck = loader.submit("dead-1", "dead")  # an earlier step's load, never done
+        quick = loader.submit("good-1", "good")
+        t0 = time.monotonic()
+        loader.wait([quick], 10.0)
+        assert time.monotonic() - t0 < 5.0, "waited on a load it was not asked about"
+        assert loader.take_finished() == [("good-1", True)]
+        t0 = time.monotonic()
+        loader.wait([stuck], 0.2)
+        assert 0.2 <= time.monotonic() - t0 < 5.0
+        assert loader.take_finished() == []
+    finally:
+        peers.release_dead.set()
+        loader.shutdown()

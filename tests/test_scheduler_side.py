@@ -233,11 +233,13 @@ def test_decode_waits_for_remote_kv_then_runs(decode):
     assert len(loads) == 1 and loads[0].first_token == 0 and loads[0].error is None
     assert loads[0].block_ids == tuple(decode.kv_cache_manager.get_block_ids("d1"))
     assert loads[0].remote.num_tokens == 45
+    assert meta(out).idle  # nothing computed: the worker may wait a moment for the load
     step(decode, KVConnectorOutput(finished_recving={"d1"}))
     out, _ = step(decode)
     # Only the last prompt token is recomputed locally.
     assert req.status == RequestStatus.RUNNING
     assert req.num_computed_tokens >= 45
+    assert not meta(out).idle
 
 
 def test_decode_malformed_params_become_a_load_error(decode):

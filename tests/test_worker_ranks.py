@@ -65,6 +65,7 @@ def run_handoff(
     holds_until=0.0,
     window=0,
     async_saves=True,
+    idle=False,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -130,6 +131,7 @@ def run_handoff(
             extra={"transport": transport},
             head_size=d_head_size,
             window=window,
+            idle=idle,
         ),
     )
     claimed = tokens_to_load(num_tokens, d_groups)
@@ -201,6 +203,16 @@ def test_tp_handoff_bytes_match(case):
         # Each head once: a head replicated over prefill ranks is not read twice.
         assert out["stats"]["bytes_copied"] == 2 * LAYERS * n * len(mine) * HEAD * 4
     assert released.count("r1") == d_tp  # every decode rank acknowledged
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_an_idle_step_reports_its_load_at_once(transport):
+    """Where the engine computes nothing, the load started in a step (its handshake too)
+    is reported by that step's get_finished: the request runs one engine step sooner."""
+    results, outs, _ = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 100,
+                                   transport=transport, idle=True)  # fmt: skip
+    assert outs[0]["first"] == {"d1"} and outs[0]["errors"] == set()
+    assert np.array_equal(outs[0]["got"][1][0], results[0]["ref"][1][0])
 
 
 def test_decode_prefix_hit_reads_only_missing_tokens():

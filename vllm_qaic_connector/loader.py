@@ -24,6 +24,7 @@ Spec = TypeVar("Spec")
 Result = TypeVar("Result")
 LOAD_THREADS = 8
 PER_PEER_THREADS = LOAD_THREADS // 2
+PARKED_POLL_S = 0.001  # how often `wait` looks whether a parked load's peer is ready
 
 
 class LoadTimeout(TimeoutError):
@@ -63,6 +64,7 @@ class Loader(Generic[Spec, Result]):
         self._run, self._fail, self.timeout_s = run, fail, timeout_s
         self._pool = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="qaic-kv-load")
         self._lock = threading.Lock()
+        self._reported = threading.Condition(self._lock)  # notified as loads finish
         self._in_flight: dict[int, tuple[Spec, WriteGate, float]] = {}
         self._parked: list[tuple[Spec, WriteGate, Hashable, Callable[[], bool] | None]] = []
         self._running: Counter[Hashable] = Counter()
@@ -70,13 +72,15 @@ class Loader(Generic[Spec, Result]):
 
     def submit(
         self, spec: Spec, peer: Hashable = None, ready: Callable[[], bool] | None = None
-    ) -> None:
-        """Runs ``spec`` once ``ready()`` (must not block) and ``peer`` has a free thread."""
+    ) -> int:
+        """Runs ``spec`` once ``ready()`` (must not block) and ``peer`` has a free thread;
+        returns the load's key for `wait`."""
         gate = WriteGate()
         with self._lock:
             self._in_flight[id(gate)] = (spec, gate, time.monotonic() + self.timeout_s)
             self._parked.append((spec, gate, peer, ready))
         self._dispatch()
+        return id(gate)
 
     def _dispatch(self) -> None:
         with self._lock:
@@ -107,6 +111,19 @@ class Loader(Generic[Spec, Result]):
             with self._lock:
                 self._in_flight.pop(id(gate), None)
                 self._finished.append(result)
+                self._reported.notify_all()
+
+    def wait(self, keys: list[int], timeout_s: float) -> None:
+        """Returns once the loads of ``keys`` are done, or after ``timeout_s``: an idle
+        engine waits this long for a quick load rather than a whole step (a slow one stays
+        asynchronous). A load parked until its peer's handshake resolves starts meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            self._dispatch()
+            with self._reported:
+                if self._in_flight.keys().isdisjoint(keys):
+                    return
+                self._reported.wait(min(left, PARKED_POLL_S))
 
     def take_finished(self) -> list[Result]:
         """Loads done since the last call, and loads past their deadline (as failed)."""

@@ -158,6 +158,7 @@ class SchedulerSide:
             invalidate=self.pool.drain_freed(),
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
 
     def update_connector_output(

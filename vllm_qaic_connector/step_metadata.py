@@ -69,3 +69,6 @@ class QAICConnectorMetadata(KVConnectorMetadata):
     # Requests handed off directly whose tickets are gone: the worker reports them finished
     # sending (vLLM frees their blocks) after it invalidated this step's ``invalidate``.
     release_direct: list[str] = field(default_factory=list)
+    # Nothing is computed this step: the worker may wait a moment for this step's loads,
+    # so a quick one is reported now rather than after another engine step.
+    idle: bool = False

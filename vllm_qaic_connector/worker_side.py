@@ -55,6 +55,11 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")  # inside vLLM's logger tree, so it is printed
 
+# An engine with nothing to compute waits this long, at most, for the loads it started in
+# the same step: one that lands in time is reported a whole engine step sooner (~1-2 ms
+# of a first token here); a slower one goes on asynchronously.
+IDLE_LOAD_WAIT_S = 0.005
+
 
 @dataclass
 class QAICHandshakeMetadata(KVConnectorHandshakeMetadata):
@@ -105,6 +110,7 @@ class WorkerSide:
         self._stats = QAICConnectorStats()
         self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
+        self._started: list[int] = []  # this step's loads (`Loader.submit` keys)
 
     @property
     def layers(self) -> list[Views]:
@@ -180,6 +186,7 @@ class WorkerSide:
             self.saves.hold(metadata.await_saves)
 
     def start_load_kv(self) -> None:
+        self._started = []
         if self._metadata is None or self._loader is None:
             return
         for spec in self._metadata.loads:
@@ -188,7 +195,8 @@ class WorkerSide:
                 continue
             peer = (spec.remote.remote_host, spec.remote.remote_port)
             self.peers.poll(*peer)  # starts the handshake, or retries one that failed a while ago
-            self._loader.submit(spec, peer, functools.partial(self._peer_resolved, *peer))
+            ready = functools.partial(self._peer_resolved, *peer)
+            self._started.append(self._loader.submit(spec, peer, ready))
 
     def _peer_resolved(self, host: str, port: int) -> bool:
         # retry=False: a busy loader that looks late must not start the handshake over.
@@ -206,6 +214,9 @@ class WorkerSide:
         return QAICWorkerMetadata(acks) if acks else None
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self._started and self._metadata and self._metadata.idle and self._loader:
+            self._loader.wait(self._started, IDLE_LOAD_WAIT_S)
+        self._started = []
         done: set[str] = set()
         for result in self._loader.take_finished() if self._loader else ():
             done.add(result.request_id)
