@@ -119,14 +119,16 @@ def test_the_check_compares_bytes_not_values(kind: str) -> None:
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_frees_every_segment(signum: int) -> None:
-    proc = start("--tokens", *["3000"] * 40, "--paths", "shm", "slot-write", "--repeats", "1")
+    # Rows of 30k tokens: each holds its segments for tens of ms (at 3k, a few ms, which
+    # the polling below could miss from the first row to the last on a fast host).
+    proc = start("--tokens", *["30000"] * 40, "--paths", "shm", "slot-write", "--repeats", "1")
     try:
         assert proc.stdout is not None
         while not proc.stdout.readline().startswith("shm direct"):  # a row: imports are done
             assert proc.poll() is None
         deadline = time.monotonic() + 30
         while not leftovers(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            time.sleep(0.002)
         assert leftovers(proc.pid), "no segment seen while the bench runs"
         proc.send_signal(signum)
         rc, _, err = finish(proc, timeout=60)
