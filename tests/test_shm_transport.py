@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,3 +182,46 @@ def test_an_interrupt_while_creating_a_segment_leaves_nothing(monkeypatch, step)
         create_transport("shm", name, 4096, 5.0)
     assert not os.path.exists(os.path.join(SHM_DIR, name))
     assert unregistered == ([] if step == "register" else ["/" + name])
+
+
+def _resident_kib(path: str) -> int:
+    """This process's resident KiB of its mapping of ``path`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.endswith(path))
+    return next(int(x.split()[1]) for x in lines[at + 1 :] if x.startswith("Rss:"))
+
+
+def test_staging_is_faulted_in_at_creation():
+    """Every page of a new staging segment is resident before the first save writes it
+    (a first write into a fresh page costs many times the copy)."""
+    name = f"qaic_kv_test_resident_{os.getpid()}"
+    t = create_transport("shm", name, 8 << 20, 5.0)
+    try:
+        assert _resident_kib(os.path.join(SHM_DIR, name)) == 8 << 10
+    finally:
+        t.close()
+
+
+def test_staging_larger_than_dev_shm_is_a_clear_error_at_creation(monkeypatch):
+    """/dev/shm cannot hold the segment (a container's small default): creation fails
+    naming the segment, the space and the setting to change, and leaves nothing behind
+    (no file, no resource-tracker entry), instead of a SIGBUS in the save that first
+    writes past what is free."""
+    from multiprocessing import resource_tracker
+
+    unregistered: list[str] = []
+    real_unregister = resource_tracker.unregister
+
+    def unregister(tracked: str, rtype: str) -> None:
+        unregistered.append(tracked)
+        real_unregister(tracked, rtype)
+
+    monkeypatch.setattr(resource_tracker, "unregister", unregister)
+    fs = os.statvfs(SHM_DIR)
+    too_big = fs.f_blocks * fs.f_frsize + (1 << 30)  # tmpfs refuses it before taking a page
+    name = f"qaic_kv_test_too_big_{os.getpid()}"
+    with pytest.raises(OSError, match=r"cannot reserve .* MiB free.*staging_bytes") as err:
+        create_transport("shm", name, too_big, 5.0)
+    assert name in str(err.value)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))
+    assert unregistered == ["/" + name]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -14,6 +16,17 @@ def staging_name(engine_id: str, tp_rank: int, incarnation: str) -> str:
     """The shm segment (or NIXL agent) of one rank. The random incarnation makes it
     unguessable; peers check a handshake's endpoint against it (`peers.check_ranks`)."""
     return f"qaic_kv_{engine_id}_r{tp_rank}_{incarnation}"
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap module does not name it
+
+
+def populate(mapping: mmap.mmap) -> None:
+    """Fault in every page of a staging region now, at start-up: a save's first write into
+    a fresh page costs ~15x the copy (128 KiB: 90 us against 6 here). A kernel without
+    the advice leaves the pages to fault on first use, as before."""
+    with contextlib.suppress(OSError):
+        mapping.madvise(MADV_POPULATE_WRITE)
 
 
 class KVTransport(ABC):

@@ -34,7 +34,7 @@ import torch
 
 from vllm_qaic_connector.layout import ByteRun
 from vllm_qaic_connector.stream_copy import copy_threads
-from vllm_qaic_connector.transports.base import KVTransport
+from vllm_qaic_connector.transports.base import KVTransport, populate
 from vllm_qaic_connector.wire import TransportEndpoint
 
 logger = logging.getLogger(__name__)
@@ -74,9 +74,13 @@ def _new_agent(nixl: Any, name: str) -> Any:
     return agent
 
 
-def _zeroed(nbytes: int) -> torch.Tensor:
-    """Page-aligned anonymous memory: zero pages, committed only when written."""
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+def _zeroed(nbytes: int, faulted: bool = False) -> torch.Tensor:
+    """Page-aligned anonymous memory: zero pages, committed only when written unless
+    ``faulted`` (`populate`)."""
+    mapping = mmap.mmap(-1, nbytes)
+    if faulted:
+        populate(mapping)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 class _Held(NamedTuple):
@@ -101,7 +105,7 @@ class NixlTransport(KVTransport):
         self._agent: Any = _new_agent(nixl, name)
         self._regs: list[Any] = []  # every live registration; close() deregisters them
         self._closed = False
-        self._staging = _zeroed(staging_bytes)
+        self._staging = _zeroed(staging_bytes, faulted=True)
         self._register(self._staging)
         self._recv_bytes = staging_bytes
         self._recv: torch.Tensor | None = None

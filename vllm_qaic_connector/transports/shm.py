@@ -26,7 +26,7 @@ from multiprocessing import resource_tracker
 
 import torch
 
-from vllm_qaic_connector.transports.base import KVTransport
+from vllm_qaic_connector.transports.base import KVTransport, populate
 from vllm_qaic_connector.wire import TransportEndpoint
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open() objects
@@ -59,6 +59,22 @@ def reclaim_dead_segments(prefix: str) -> list[str]:
     return reclaimed
 
 
+def _reserve(fd: int, name: str, size: int) -> None:
+    """Takes the segment's pages from /dev/shm now: where it is too small (a container's
+    64 MiB default), start-up fails with this error instead of a SIGBUS in the first
+    save that writes past what is free."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        free = os.statvfs(SHM_DIR)
+        raise OSError(
+            exc.errno,
+            f"shm segment {name!r}: cannot reserve {size >> 20} MiB in {SHM_DIR} "
+            f"({free.f_bavail * free.f_frsize >> 20} MiB free): {exc.strerror}; raise its "
+            "size (docker: --shm-size) or lower staging_bytes",
+        ) from None
+
+
 class SharedSegment:
     """One mapped POSIX shm object; the creator unlinks it on close."""
 
@@ -88,10 +104,13 @@ class SharedSegment:
                 tracked = True
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "alive" for reclaim checks
                 os.ftruncate(fd, size)
+                _reserve(fd, name, size)
             elif os.fstat(fd).st_size < size:
                 raise ConnectionError(f"shm segment {name!r} is smaller than advertised")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+            if create:
+                populate(self._map)
             with warnings.catch_warnings():
                 # torch warns that its tensor of a read-only buffer is not write-protected;
                 # here the mapping is: a stray write faults in this process, never the peer.
