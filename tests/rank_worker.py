@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_qaic_connector import worker_side
+from vllm_qaic_connector import request_saves, worker_side
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv_groups import KVGroup
 from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
@@ -70,6 +70,9 @@ def by_group(w: WorkerSide, block_ids: tuple[list[int], ...], n: int) -> list[An
 
 
 def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
+    # These saves are small enough to run in the step; with async_saves they go to the
+    # save thread instead, the path a real prompt takes (test_async_save covers in-step).
+    request_saves.INLINE_SAVE_BYTES = 0
     w = make_worker(args, 100 + args["rank"])
     spec: SaveSpec = args["save"]
     before = [(k.clone(), v.clone()) for k, v in w.layers]

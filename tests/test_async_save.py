@@ -88,7 +88,10 @@ def test_a_promise_for_another_generation_or_abandoned_fails_at_once(pair, monke
     assert time.monotonic() - t0 < 30  # neither waited out the bound
 
 
-def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save():
+def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save(monkeypatch):
+    from vllm_qaic_connector import request_saves
+
+    monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)  # every save is "large"
     args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
     extra = {"async_saves": True}
     worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": extra}, seed=3)
@@ -121,6 +124,59 @@ def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save():
         with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
             views = fmt.layer_views(r, n)
             for src, dst in zip(worker.layers, views, strict=True):
+                want, got = gather_tokens(src, blocks, n), gather_tokens(dst, staged, n)
+                assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    finally:
+        reader.close()
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("inline_bytes", [1 << 20, 1024])
+def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatch, inline_bytes):
+    """With the save thread idle, a step whose saves copy at most `INLINE_SAVE_BYTES`
+    stages them before the step returns (sealed, no promise: the thread hand-off would
+    cost more than the copy); a larger one still goes to the save thread. Either way the
+    staged bytes are the cache's and vLLM gets the blocks back once the save is done."""
+    from vllm_qaic_connector import request_saves
+
+    monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", inline_bytes)
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    extra = {"async_saves": True}
+    worker = make_worker({**args, "engine": f"in{os.getpid()}", "extra": extra}, seed=4)
+    assert worker.transport is not None and worker.saves is not None
+    saves = worker.saves
+    ran_on: list[str] = []
+    real_save = saves._save
+
+    def save(spec: SaveSpec) -> None:
+        ran_on.append(threading.current_thread().name)
+        real_save(spec)
+
+    monkeypatch.setattr(saves, "_save", save)
+    reader = ShmTransport(f"qaic_kv_in{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
+    try:
+        n, blocks = 70, [5, 2, 9]  # 70 tokens x 2 layers x 2 heads x 32 x fp32 x K,V: 70 KiB
+        spec = SaveSpec("p1", (blocks,), n, 0, "vllm_cpu", 32, GEN)
+        worker.bind(QAICConnectorMetadata(saves=[spec]))
+        worker.wait_for_save()
+        inline = inline_bytes >= 70 << 10
+        if inline:  # sealed before the step returned, on the engine's thread
+            header = worker.transport.staging[:HEADER_BYTES]
+            assert header_generation(header) == GEN and promised_generation(header) == 0
+            assert ran_on == [threading.current_thread().name]
+        worker.bind(QAICConnectorMetadata(await_saves=["p1"]))
+        deadline, sent = time.monotonic() + 30, None
+        while sent is None and time.monotonic() < deadline:
+            sent, _ = worker.get_finished()
+            time.sleep(0.01)
+        assert sent == {"p1"}
+        if not inline:
+            assert ran_on and ran_on[0].startswith("qaic-kv-save")
+        geo = KVGeometry(2, 32, 32, torch.float32)
+        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        staged = list(range(blocks_for_tokens(n, 32)))
+        with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
+            for src, dst in zip(worker.layers, fmt.layer_views(r, n), strict=True):
                 want, got = gather_tokens(src, blocks, n), gather_tokens(dst, staged, n)
                 assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     finally:
