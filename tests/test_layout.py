@@ -175,6 +175,23 @@ def test_head_range_that_does_not_fit_is_refused():
         )
 
 
+@pytest.mark.parametrize("side", ["source", "destination"])
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_block_ids_outside_the_cache_are_refused_before_any_byte_moves(side, bad):
+    """Copies go by address: a block id past either cache's end (or negative) is an
+    IndexError naming the range, and neither side is written."""
+    src_layer, sg = filled("vllm_cpu", 16, 3)
+    dst_layer, dg = filled("cuda_hnd", 16, 3, seed=1)
+    sv = get_layout("vllm_cpu").kv_views(src_layer, sg)
+    dv = get_layout("cuda_hnd").kv_views(dst_layer, dg)
+    before = (src_layer.clone(), dst_layer.clone())
+    src_ids, dst_ids = ([0, bad], [1, 2]) if side == "source" else ([0, 1], [bad, 2])
+    ids = src_ids if side == "source" else dst_ids
+    with pytest.raises(IndexError, match=f"block ids {min(ids)}..{max(ids)} outside 0..2"):
+        copy_tokens(sv, src_ids, dv, dst_ids, 0, 20)
+    assert torch.equal(src_layer, before[0]) and torch.equal(dst_layer, before[1])
+
+
 def test_staging_format_round_trip_through_flat_bytes():
     fmt = StagingFormat("vllm_cpu", geo(32), num_layers=2)
     region = torch.zeros(fmt.request_bytes(70), dtype=torch.uint8)

@@ -210,7 +210,8 @@ def copy_layers(
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
     ints = _INTS[k_out.element_size()]
-    batches = _batches(t0, t1, src_bs, dst_bs, dst_t0, tuple(src_blocks), tuple(dst_blocks))
+    batches = _batches(t0, t1, src_bs, dst_bs, dst_t0, src_blocks, dst_blocks,
+                       k.shape[0], k_out.shape[0])  # fmt: skip
     for plane in (0, 1):
         s_ = [s[plane][:, h.start : h.stop] for s in src]
         d_ = [d[plane][:, h.dst_start : h.dst_start + nh] for d in dst]
@@ -338,11 +339,7 @@ def _addresses(
     view: torch.Tensor, bases: np.ndarray, ids: np.ndarray, at: np.ndarray
 ) -> np.ndarray:
     """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view starting at
-    ``bases`` (of ``view``'s shape and strides), view by view; the ids must lie inside
-    them (copied by address, so nothing else checks them)."""
-    n = view.shape[0]
-    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
-        raise IndexError(f"block ids {int(ids.min())}..{int(ids.max())} outside 0..{n - 1}")
+    ``bases`` (of ``view``'s shape and strides), view by view (`_batches` checked the ids)."""
     item = view.element_size()
     offsets = ids * (view.stride(0) * item) + at * (view.stride(2) * item)
     return np.add.outer(bases, offsets).ravel().astype(np.uint64)
@@ -376,21 +373,39 @@ class _Batch:
         ]
 
 
-@functools.lru_cache(maxsize=32)  # every layer of a request copies along the same plan
-def _batches(
-    t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None,
-    src_blocks: tuple[int, ...], dst_blocks: tuple[int, ...],
-) -> list[_Batch]:  # fmt: skip
-    """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
-    (one when the block sizes match or divide), however many blocks."""
+@functools.lru_cache(maxsize=64)  # a few token ranges per prompt length and block sizes
+def _run_groups(
+    t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None
+) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """`plan_token_runs` grouped by run length: (length, indices into the source's block
+    list, offsets in those blocks, the same for the destination). Block ids apart, every
+    request of a length shares it."""
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
-    src_ids = np.asarray(src_blocks, dtype=np.int64)[runs[:, 0]]
-    dst_ids = np.asarray(dst_blocks, dtype=np.int64)[runs[:, 1]]
+    runs.flags.writeable = False  # cached: shared by every caller
     return [
-        _Batch(n, src_ids[sel], runs[sel, 2], dst_ids[sel], runs[sel, 3])
+        (n, runs[sel, 0], runs[sel, 2], runs[sel, 1], runs[sel, 3])
         for n in np.unique(runs[:, 4]).tolist()
         for sel in [runs[:, 4] == n]
     ]
+
+
+def _batches(
+    t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None,
+    src_blocks: Sequence[int], dst_blocks: Sequence[int], src_n: int, dst_n: int,
+) -> list[_Batch]:  # fmt: skip
+    """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
+    (one when the block sizes match or divide), however many blocks. The block ids must
+    lie in ``[0, src_n)`` and ``[0, dst_n)``: they are copied by address."""
+    src = _ids_within(np.asarray(src_blocks, dtype=np.int64), src_n)
+    dst = _ids_within(np.asarray(dst_blocks, dtype=np.int64), dst_n)
+    groups = _run_groups(t0, t1, src_bs, dst_bs, dst_t0)
+    return [_Batch(n, src[si], sa, dst[di], da) for n, si, sa, di, da in groups]
+
+
+def _ids_within(ids: np.ndarray, n: int) -> np.ndarray:
+    if len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < n:
+        raise IndexError(f"block ids {int(ids.min())}..{int(ids.max())} outside 0..{n - 1}")
+    return ids
 
 
 def _as_slice(idx: np.ndarray) -> _Index:
