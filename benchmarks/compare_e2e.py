@@ -248,7 +248,7 @@ def alternated_rates(url: str, prompts: list[str]) -> list[float]:
     return ratios
 
 
-def pin(servers: list[Server]) -> None:
+def pin(servers: list[Server], front: int = 1) -> None:
     """vLLM binds only its OpenMP threads to its core (``VLLM_CPU_OMP_THREADS_BIND``); its
     API server and engine core would float onto the other core (the aggregated server's
     engine core spun there at 88% of a core). Every thread of a server goes on its core;
@@ -256,9 +256,9 @@ def pin(servers: list[Server]) -> None:
     the prefill runs: the prefill's core is what limits a P/D setup's rate."""
     if not {0, 1} <= os.sched_getaffinity(0):
         return  # not the two-core host this is laid out for
-    os.sched_setaffinity(0, {1})
+    os.sched_setaffinity(0, {front})
     for s in servers:
-        core = int(s.env.get("VLLM_CPU_OMP_THREADS_BIND", "1"))  # the proxy: none, core 1
+        core = int(s.env.get("VLLM_CPU_OMP_THREADS_BIND", str(front)))  # the proxy: none
         tids = (t for pid in s.pids() for t in os.listdir(f"/proc/{pid}/task"))
         for tid in tids:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended
@@ -302,6 +302,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="pin every server's threads to its core, the proxy and this client to core 1",
     )
+    p.add_argument(
+        "--front-core",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="the core of the proxy and this client (default 1, the decode's)",
+    )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                 setup, run, extra, args.prefill_args, args.server_args
             )
             if args.pin:
-                pin(servers)
+                pin(servers, args.front_core)
             print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
             # Warm at the highest concurrency: a first batch of new shape is several times
             # slower on vLLM's CPU backend, and a P/D pair has two engines to warm.

@@ -283,3 +283,25 @@ def test_a_worker_registers_only_its_staging_so_its_kv_cache_cannot_be_read():
     finally:
         reader.close()
         worker.shutdown()
+
+
+def _resident_kib_at(address: int) -> int:
+    """Resident KiB of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        span = line.split(" ", 1)[0]
+        if "-" in span and all(c in "0123456789abcdef-" for c in span):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return next(int(x.split()[1]) for x in lines[i + 1 :] if x.startswith("Rss:"))
+    raise LookupError(hex(address))
+
+
+def test_staging_is_faulted_in_at_creation():
+    """The staging region is resident before the first save writes it (a first write into
+    a fresh page costs many times the copy)."""
+    t = NixlTransport(f"qaic_resident_{PID}", 8 << 20)
+    try:
+        assert _resident_kib_at(t.staging.data_ptr()) >= 8 << 10
+    finally:
+        t.close()
