@@ -155,8 +155,24 @@ def test_symlink_named_like_a_peer_segment_is_refused():
         target.close()
 
 
+@pytest.fixture
+def unregistered(monkeypatch) -> list[str]:
+    """Names the resource tracker is told to forget, as the real tracker forgets them."""
+    from multiprocessing import resource_tracker
+
+    names: list[str] = []
+    real_unregister = resource_tracker.unregister
+
+    def unregister(tracked: str, rtype: str) -> None:
+        names.append(tracked)
+        real_unregister(tracked, rtype)
+
+    monkeypatch.setattr(resource_tracker, "unregister", unregister)
+    return names
+
+
 @pytest.mark.parametrize("step", ["register", "frombuffer"])
-def test_an_interrupt_while_creating_a_segment_leaves_nothing(monkeypatch, step):
+def test_an_interrupt_while_creating_a_segment_leaves_nothing(monkeypatch, step, unregistered):
     """Ctrl-C as the segment is made, at its first step after the O_EXCL open (registering
     it with the resource tracker) or its last (the tensor over the mapping): the segment is
     gone at once, and the tracker no longer names it."""
@@ -166,14 +182,6 @@ def test_an_interrupt_while_creating_a_segment_leaves_nothing(monkeypatch, step)
         raise KeyboardInterrupt
 
     name = f"qaic_kv_test_int_{step}_{os.getpid()}"
-    unregistered: list[str] = []
-    real_unregister = resource_tracker.unregister
-
-    def unregister(tracked: str, rtype: str) -> None:
-        unregistered.append(tracked)
-        real_unregister(tracked, rtype)
-
-    monkeypatch.setattr(resource_tracker, "unregister", unregister)
     if step == "register":
         monkeypatch.setattr(resource_tracker, "register", interrupted)
     else:
@@ -202,21 +210,11 @@ def test_staging_is_faulted_in_at_creation():
         t.close()
 
 
-def test_staging_larger_than_dev_shm_is_a_clear_error_at_creation(monkeypatch):
+def test_staging_larger_than_dev_shm_is_a_clear_error_at_creation(unregistered):
     """/dev/shm cannot hold the segment (a container's small default): creation fails
     naming the segment, the space and the setting to change, and leaves nothing behind
     (no file, no resource-tracker entry), instead of a SIGBUS in the save that first
     writes past what is free."""
-    from multiprocessing import resource_tracker
-
-    unregistered: list[str] = []
-    real_unregister = resource_tracker.unregister
-
-    def unregister(tracked: str, rtype: str) -> None:
-        unregistered.append(tracked)
-        real_unregister(tracked, rtype)
-
-    monkeypatch.setattr(resource_tracker, "unregister", unregister)
     fs = os.statvfs(SHM_DIR)
     too_big = fs.f_blocks * fs.f_frsize + (1 << 30)  # tmpfs refuses it before taking a page
     name = f"qaic_kv_test_too_big_{os.getpid()}"
