@@ -396,10 +396,11 @@ def _batches(
     """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
     (one when the block sizes match or divide), however many blocks. The block ids must
     lie in ``[0, src_n)`` and ``[0, dst_n)``: they are copied by address."""
-    src = _ids_within(np.asarray(src_blocks, dtype=np.int64), src_n)
-    dst = _ids_within(np.asarray(dst_blocks, dtype=np.int64), dst_n)
-    groups = _run_groups(t0, t1, src_bs, dst_bs, dst_t0)
-    return [_Batch(n, src[si], sa, dst[di], da) for n, si, sa, di, da in groups]
+    src, dst = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)
+    return [  # only the ids a run uses: a list may reach past a staged window's blocks
+        _Batch(n, _ids_within(src[si], src_n), sa, _ids_within(dst[di], dst_n), da)
+        for n, si, sa, di, da in _run_groups(t0, t1, src_bs, dst_bs, dst_t0)
+    ]
 
 
 def _ids_within(ids: np.ndarray, n: int) -> np.ndarray:
