@@ -312,7 +312,17 @@ def main(argv: list[str] | None = None) -> None:
         decode_timeout_s=args.decode_timeout_s,
         key=load_key(args.side_channel_key_file),
     )
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None)
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop())
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (vLLM's API server runs on it too): the proxy relays every
+    streamed chunk, and on uvloop each costs it less CPU than on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 if __name__ == "__main__":
