@@ -297,11 +297,13 @@ def _resident_kib_at(address: int) -> int:
     raise LookupError(hex(address))
 
 
-def test_staging_is_faulted_in_at_creation():
-    """The staging region is resident before the first save writes it (a first write into
-    a fresh page costs many times the copy)."""
-    t = NixlTransport(f"qaic_resident_{PID}", 8 << 20)
+@pytest.mark.parametrize("stages", [True, False])
+def test_a_staging_rank_has_its_staging_faulted_in_at_creation(stages):
+    """A rank that saves has its staging resident before the first save writes it (a first
+    write into a fresh page costs many times the copy); a decode's stays uncommitted."""
+    t = NixlTransport(f"qaic_resident_{PID}_{stages}", 8 << 20, stages=stages)
     try:
-        assert _resident_kib_at(t.staging.data_ptr()) >= 8 << 10
+        resident = _resident_kib_at(t.staging.data_ptr())
+        assert resident >= 8 << 10 if stages else resident < 8 << 10
     finally:
         t.close()

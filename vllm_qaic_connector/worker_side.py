@@ -144,8 +144,9 @@ class WorkerSide:
         only_loads = self.cfg.transport == "shm" and not self.identity.produces
         staging = 0 if only_loads else self.cfg.staging_bytes
         transport = self.transport = create_transport(
-            self.cfg.transport, name, staging, self.cfg.load_timeout_s
-        )
+            self.cfg.transport, name, staging, self.cfg.load_timeout_s,
+            stages=self.identity.produces,
+        )  # fmt: skip
         one_group = cache.state is None and len(self.groups) <= 1
         if self.cfg.transport == "nixl":  # peers' READs come from the cache or land in it
             direct = one_group and self.cfg.nixl_direct_reads

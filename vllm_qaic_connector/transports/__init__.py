@@ -6,8 +6,11 @@ from vllm_qaic_connector.transports.base import KVTransport, staging_name
 __all__ = ["KVTransport", "create_transport", "staging_name"]
 
 
-def create_transport(kind: str, name: str, staging_bytes: int, timeout_s: float) -> KVTransport:
-    """``timeout_s`` bounds every read."""
+def create_transport(
+    kind: str, name: str, staging_bytes: int, timeout_s: float, *, stages: bool = True
+) -> KVTransport:
+    """``timeout_s`` bounds every read; ``stages``: this rank saves into its staging (its
+    pages are faulted in at once; shm: a rank that does not gets ``staging_bytes`` 0)."""
     if kind == "shm":
         from vllm_qaic_connector.transports.shm import ShmTransport
 
@@ -15,5 +18,5 @@ def create_transport(kind: str, name: str, staging_bytes: int, timeout_s: float)
     if kind == "nixl":
         from vllm_qaic_connector.transports.nixl import NixlTransport
 
-        return NixlTransport(name, staging_bytes, timeout_s=timeout_s)
+        return NixlTransport(name, staging_bytes, timeout_s=timeout_s, stages=stages)
     raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")

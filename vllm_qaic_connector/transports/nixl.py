@@ -93,9 +93,12 @@ class NixlTransport(KVTransport):
     kind = "nixl"
     delivers_notifications = True
 
-    def __init__(self, name: str, staging_bytes: int, *, timeout_s: float = 30.0) -> None:
-        """``timeout_s`` bounds every read. The receive arena, as large as the staging, is
-        mapped on the first read; larger reads get a one-off buffer."""
+    def __init__(
+        self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, stages: bool = True
+    ) -> None:
+        """``timeout_s`` bounds every read; ``stages``: saves will write the staging, so its
+        pages are faulted in now (a decode's stay untouched). The receive arena, as large as
+        the staging, is mapped on the first read; larger reads get a one-off buffer."""
         import nixl
 
         errors = vars(nixl._bindings).values()  # nixl raises its own Exception subclasses
@@ -105,7 +108,7 @@ class NixlTransport(KVTransport):
         self._agent: Any = _new_agent(nixl, name)
         self._regs: list[Any] = []  # every live registration; close() deregisters them
         self._closed = False
-        self._staging = _zeroed(staging_bytes, faulted=True)
+        self._staging = _zeroed(staging_bytes, faulted=stages)
         self._register(self._staging)
         self._recv_bytes = staging_bytes
         self._recv: torch.Tensor | None = None
