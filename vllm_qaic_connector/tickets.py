@@ -77,7 +77,7 @@ def seal(header: torch.Tensor, generation: int) -> None:
     """Writes the header; a final seal (generation set) also fulfils the promise, while
     an unsealing one leaves the promise word alone (the engine thread may be writing it)."""
     words = [MAGIC, generation, 0] if generation else [MAGIC, 0]
-    header[:24].numpy().view(np.int64)[: len(words)] = words  # no temporary tensor
+    _words(header)[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
 
 
 class RegionHeaders:
