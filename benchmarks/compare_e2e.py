@@ -252,8 +252,8 @@ def pin(servers: list[Server], front: int = 1) -> None:
     """vLLM binds only its OpenMP threads to its core (``VLLM_CPU_OMP_THREADS_BIND``); its
     API server and engine core would float onto the other core (the aggregated server's
     engine core spun there at 88% of a core). Every thread of a server goes on its core;
-    the proxy and this client on core 1, away from core 0, where the aggregated server or
-    the prefill runs: the prefill's core is what limits a P/D setup's rate."""
+    the proxy and this client on ``front``: by default core 1, away from core 0, where the
+    aggregated server or the prefill runs (the prefill's core limits a P/D setup's rate)."""
     if not {0, 1} <= os.sched_getaffinity(0):
         return  # not the two-core host this is laid out for
     os.sched_setaffinity(0, {front})
