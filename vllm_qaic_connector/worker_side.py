@@ -140,11 +140,8 @@ class WorkerSide:
         )  # fmt: skip
         tensors = cache.tensors
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
-        # A shm load maps the prefill's segment: an engine that only loads needs none.
-        only_loads = self.cfg.transport == "shm" and not self.identity.produces
-        staging = 0 if only_loads else self.cfg.staging_bytes
         transport = self.transport = create_transport(
-            self.cfg.transport, name, staging, self.cfg.load_timeout_s,
+            self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s,
             stages=self.identity.produces,
         )  # fmt: skip
         one_group = cache.state is None and len(self.groups) <= 1

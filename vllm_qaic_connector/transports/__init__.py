@@ -9,12 +9,12 @@ __all__ = ["KVTransport", "create_transport", "staging_name"]
 def create_transport(
     kind: str, name: str, staging_bytes: int, timeout_s: float, *, stages: bool = True
 ) -> KVTransport:
-    """``timeout_s`` bounds every read; ``stages``: this rank saves into its staging (its
-    pages are faulted in at once; shm: a rank that does not gets ``staging_bytes`` 0)."""
+    """``timeout_s`` bounds every read; ``stages``: this rank saves into its staging (else
+    the transport commits no memory to it)."""
     if kind == "shm":
         from vllm_qaic_connector.transports.shm import ShmTransport
 
-        return ShmTransport(name, staging_bytes)
+        return ShmTransport(name, staging_bytes, stages=stages)
     if kind == "nixl":
         from vllm_qaic_connector.transports.nixl import NixlTransport
 

@@ -145,12 +145,14 @@ class SharedSegment:
 class ShmTransport(KVTransport):
     kind = "shm"
 
-    def __init__(self, name: str, staging_bytes: int) -> None:
+    def __init__(self, name: str, staging_bytes: int, *, stages: bool = True) -> None:
         """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first.
-        ``staging_bytes`` 0 (an engine that only loads): no segment of its own, so none can
-        outlive it when vLLM force-kills its worker."""
+        An engine that only loads (``stages`` False, or ``staging_bytes`` 0) maps its
+        peers' segments and has none of its own, so none can outlive it when vLLM
+        force-kills its worker."""
         reclaim_dead_segments(name.rpartition("_")[0] + "_")
-        self._own = SharedSegment(name, staging_bytes, create=True) if staging_bytes else None
+        own = stages and staging_bytes > 0
+        self._own = SharedSegment(name, staging_bytes, create=True) if own else None
         self._peers: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()  # loads run on several threads
 
