@@ -3,7 +3,8 @@ Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost
 
 - the official `openai` client, streaming and not, completions and chat: streamed text equals
   the non-streamed answer, usage arrives with ``include_usage``, the prefill leg generates
-  exactly one token per request whichever token limit the client used;
+  exactly one token per request whichever token limit the client used, and the decode one
+  token fewer than the answer where it continues from the prefill's (completions);
 - a client that disconnects after the first chunk: the decode's running requests and the
   prefill's staging pages return to 0;
 - `vllm bench serve` against the proxy: every request succeeds.
@@ -27,6 +28,7 @@ from tests.live_servers import (
     Server,
     VllmServer,
     complete,
+    count_tokens,
     metric_samples,
     poll_until,
 )
@@ -44,11 +46,12 @@ def _client(proxy: Server) -> openai.OpenAI:
 
 
 def check_openai_clients(
-    proxy: Server, prefill: VllmServer, prompts: list[tuple[str, str]]
+    proxy: Server, prefill: VllmServer, decode: VllmServer, prompts: list[tuple[str, str]]
 ) -> dict[str, Any]:
     """Completions and chat, streamed and not, through the openai client."""
     client, requests_sent = _client(proxy), 0
-    generated0 = prefill.metric(GENERATED, 0.0)
+    generated0, decoded0 = prefill.metric(GENERATED, 0.0), decode.metric(GENERATED, 0.0)
+    decoded = 0  # what the decode should generate: completions start from the prefill's token
     chunks_seen: list[int] = []
     for prompt, answer in prompts:
         plain = client.completions.create(
@@ -65,7 +68,9 @@ def check_openai_clients(
             parts.extend(c.text for c in chunk.choices)
             usage = chunk.usage or usage
         assert "".join(parts) == text, f"streamed {''.join(parts)!r} != {text!r}"
-        assert usage is not None and usage.completion_tokens == plain.usage.completion_tokens
+        assert plain.usage is not None and plain.usage == usage, (plain.usage, usage)
+        assert plain.usage.prompt_tokens == count_tokens(prefill.url, prompt)
+        decoded += 2 * (plain.usage.completion_tokens - 1)
         chunks_seen.append(len(parts))
         messages = [{"role": "user", "content": prompt}]
         chat = client.chat.completions.create(
@@ -73,6 +78,8 @@ def check_openai_clients(
             temperature=0.0,
         )  # fmt: skip
         chat_text = chat.choices[0].message.content or ""
+        assert chat.usage is not None
+        decoded += 2 * chat.usage.completion_tokens  # the decode's own first token
         chat_stream = client.chat.completions.create(
             model="model", messages=messages, max_completion_tokens=ANSWER_TOKENS,  # type: ignore[arg-type]
             temperature=0.0, stream=True,
@@ -89,12 +96,21 @@ def check_openai_clients(
     choice = scored.choices[0]
     assert choice.text.startswith(prompt) and answer.startswith(choice.text[len(prompt) :].strip())
     assert choice.logprobs is not None and len(choice.logprobs.top_logprobs or []) >= 4
+    assert scored.usage is not None
+    decoded += scored.usage.completion_tokens
     requests_sent += 1
     time.sleep(1.0)  # the last step's stats reach /metrics
     prefill_tokens = prefill.metric(GENERATED, 0.0) - generated0
     # One token per request on the prefill, whether max_tokens or max_completion_tokens.
     assert prefill_tokens == requests_sent, f"prefill generated {prefill_tokens} tokens"
-    return {"requests": requests_sent, "prefill_tokens": prefill_tokens, "chunks": chunks_seen}
+    decode_tokens = decode.metric(GENERATED, 0.0) - decoded0
+    assert decode_tokens == decoded, f"decode generated {decode_tokens} tokens, want {decoded}"
+    return {
+        "requests": requests_sent,
+        "prefill_tokens": prefill_tokens,
+        "decode_tokens": decode_tokens,
+        "chunks": chunks_seen,
+    }
 
 
 def _finished(decode: VllmServer) -> float:

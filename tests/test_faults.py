@@ -711,7 +711,8 @@ class TestShm:
         c = shm_cluster
         c.ensure(c.prefill, c.decode, c.proxy)
         say(
-            "openai clients", **proxy_clients.check_openai_clients(c.proxy, c.prefill, c.prompts(2))
+            "openai clients",
+            **proxy_clients.check_openai_clients(c.proxy, c.prefill, c.decode, c.prompts(2)),
         )
 
     def test_i_client_abort_mid_stream(self, shm_cluster: Cluster) -> None:

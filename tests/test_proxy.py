@@ -5,6 +5,7 @@ real side-channel server recording the early releases the proxy sends."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from abc import ABC, abstractmethod
@@ -17,11 +18,13 @@ import pytest
 from aiohttp import web
 
 from tests.ports import free_port
+from vllm_qaic_connector import first_token
 from vllm_qaic_connector.proxy import Proxy, prefill_body, unsupported
 from vllm_qaic_connector.proxy_routing import LeastOutstanding, Router
 from vllm_qaic_connector.side_channel import SideChannelServer
 from vllm_qaic_connector.wire import Message, Ok, ReleaseRequest
 
+PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [
     b'data: {"choices":[{"index":0,"text":"Hel"}]}\n\n',
     b'data: {"choices":[{"index":0,"text":"lo"}]}\n\n',
@@ -206,6 +209,8 @@ class Prefill(Backend):
         self.side_port = side_port
         self.answer = "staged"
         self.delay_s = 0.0
+        self.finish_reason = "length"
+        self.token_ids = False  # whether it answers return_token_ids (older vLLM does not)
         self.params: list[dict[str, Any]] = []  # the kv_transfer_params returned
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -217,8 +222,12 @@ class Prefill(Backend):
         else:
             params = staged(f"pf-{len(self.requests)}", self.side_port)
         self.params.append(params)
-        choice = {"index": 0, "text": "x", "finish_reason": "length"}
-        return web.json_response({"id": "p", "choices": [choice], "kv_transfer_params": params})
+        choice: dict[str, Any] = {"index": 0, "text": "x", "finish_reason": self.finish_reason}
+        if self.token_ids and body.get("return_token_ids"):
+            choice.update(prompt_token_ids=PROMPT_IDS, token_ids=[FIRST_ID])
+        usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 1, "total_tokens": 4}
+        answer = {"id": "cmpl-p", "object": "text_completion", "choices": [choice]}
+        return web.json_response({**answer, "usage": usage, "kv_transfer_params": params})
 
 
 class Decode(Backend):
@@ -238,7 +247,8 @@ class Decode(Backend):
 
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
         choice = {"index": 0, "text": f"{self.name} says hi", "finish_reason": "length"}
-        return {"id": self.name, "object": "text_completion", "choices": [choice]}
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        return {"id": self.name, "object": "text_completion", "choices": [choice], "usage": usage}
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         if self.answer == "text":
@@ -516,3 +526,110 @@ async def test_a_client_leaving_mid_stream_aborts_the_decode_and_releases(
         resp.close()  # the client goes away
         await asyncio.wait_for(decode.aborted.wait(), WAIT_S)
         assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+# --- the client's first token from the prefill ----------------------------------------------
+
+
+async def test_the_decode_continues_from_the_prefills_token(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.token_ids = True
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+        answer = await resp.json()
+    [(_, to_prefill)] = prefill.requests
+    [(_, to_decode)] = decode.requests
+    assert to_prefill["return_token_ids"] is True
+    assert to_decode == {
+        **PROMPT,
+        "temperature": 0,
+        "prompt": PROMPT_IDS + [FIRST_ID],  # the prompt and the prefill's token
+        "max_tokens": PROMPT["max_tokens"] - 1,
+        "request_id": "p",  # the decode's answer and events carry the prefill's id
+        "kv_transfer_params": prefill.params[0],
+    }
+    assert answer["choices"][0]["text"] == "x" + "decode says hi"
+    # The decode counted the first token as prompt; the client counts it as answer.
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+async def test_a_stream_starts_with_the_prefills_token_once_the_decode_took_the_request(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.token_ids = True
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        received = await resp.read()
+    events = [json.loads(e[6:]) for e in received.split(b"\n\n") if e.startswith(b"data: {")]
+    first = events[0]
+    assert first["id"] == "cmpl-p" and first["usage"] is None
+    assert first["choices"][0]["text"] == "x" and first["choices"][0]["finish_reason"] is None
+    assert received.endswith(b"".join(CHUNKS))  # then the decode's events as they came
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("how", ["a stop", "max_tokens 1"])
+async def test_an_answer_ending_at_the_prefills_token_needs_no_decode(
+    prefill: Prefill, decode: Decode, side: SideChannel, stream: bool, how: str
+) -> None:
+    prefill.token_ids = True
+    body = {**PROMPT, "stream": stream, "stream_options": {"include_usage": True}}
+    if how == "a stop":
+        prefill.finish_reason = "stop"
+    else:
+        body["max_tokens"] = 1
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
+    assert decode.requests == []
+    assert await side.wait_released("pf-1") == ["pf-1"]  # its staging is not needed
+    if not stream:
+        answer = json.loads(raw)
+        assert answer["choices"][0]["text"] == "x" and "kv_transfer_params" not in answer
+        return
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [c["text"] for e in events for c in e["choices"]] == ["x"]
+    assert events[-1]["usage"]["completion_tokens"] == 1 and raw.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/chat/completions", {}),
+        ("/v1/completions", {"stop": ["\n"]}),
+        ("/v1/completions", {"logprobs": 2}),
+        ("/v1/completions", {"presence_penalty": 0.5}),
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+    ],
+    ids=["chat", "stop", "logprobs", "penalty", "two prompts"],
+)
+async def test_options_spanning_the_first_token_keep_the_decodes_own(
+    prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]
+) -> None:
+    prefill.token_ids = True
+    body = {**PROMPT, **extra}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post(path, json=body)
+        assert await resp.json() == decode.answer_for(body)
+    assert "return_token_ids" not in prefill.requests[0][1]
+    assert decode.requests[0][1] == {**body, "kv_transfer_params": prefill.params[0]}
+
+
+async def test_first_token_decode_keeps_the_decodes_own(prefill: Prefill, decode: Decode) -> None:
+    prefill.token_ids = True
+    async with proxy([prefill.url], [decode.url], first_token_from_prefill=False) as client:
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert await resp.json() == decode.answer_for(PROMPT)
+    assert decode.requests[0][1] == {**PROMPT, "kv_transfer_params": prefill.params[0]}
+
+
+def test_usage_in_the_decodes_stream_counts_the_first_token_as_answer() -> None:
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    line = f"data: {json.dumps({'choices': [], 'usage': usage})}\n".encode()
+    fixed = json.loads(first_token.fix_event(line)[6:])
+    assert fixed["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    for untouched in (CHUNKS[0].split(b"\n")[0] + b"\n", b"data: [DONE]\n", b"\n"):
+        assert first_token.fix_event(untouched) == untouched

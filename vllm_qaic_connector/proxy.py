@@ -2,9 +2,10 @@
 
 Each request is prefilled with one token and ``do_remote_decode`` (never streamed), then
 decoded with the ``kv_transfer_params`` the prefill returned; the decode's answer (or its
-server-sent events, as they come) goes to the client. A failed leg is a JSON error naming
-it: 503 unreachable, 504 timed out, 502 a bad answer. When the decode leg fails or the
-client goes away, the prefill is told to release the staged KV at once.
+server-sent events, as they come) goes to the client. Where the decode can continue from the
+prefill's token, that token is the client's first (`first_token`). A failed leg is a JSON
+error naming it: 503 unreachable, 504 timed out, 502 a bad answer. When the decode leg fails
+or the client goes away, the prefill is told to release the staged KV at once.
 
     vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...] [--decode-kv HOST:PORT ...]
 """
@@ -22,14 +23,15 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from vllm_qaic_connector import side_channel
+from vllm_qaic_connector import first_token, side_channel
 from vllm_qaic_connector.config import KEY_ENV, load_key
+from vllm_qaic_connector.first_token import FirstToken
 from vllm_qaic_connector.proxy_routing import Router
 from vllm_qaic_connector.wire import ReleaseRequest, parse_remote_prefill
 
 logger = logging.getLogger("vllm_qaic_connector.proxy")
 
-# The prefill computes the prompt's KV and one token nobody reads.
+# The prefill computes the prompt's KV and one token (the client's first, where it can be).
 PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
 PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
 ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
@@ -86,11 +88,12 @@ class Proxy:
         prefill_timeout_s: float = 300.0,
         decode_timeout_s: float = 600.0,
         key: bytes | None = None,
+        first_token_from_prefill: bool = True,
     ) -> None:
         self.router = Router(prefills, decodes, routing)
         self._decode_kv = dict(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
         self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
-        self._key = key
+        self._key, self._first_from_prefill = key, first_token_from_prefill
         self._session: aiohttp.ClientSession | None = None
         self._releases: set[asyncio.Future[None]] = set()
 
@@ -156,10 +159,16 @@ class Proxy:
         task.add_done_callback(self._releases.discard)
 
     async def _stream(
-        self, request: web.Request, url: str, body: dict[str, Any], headers: dict[str, str]
+        self,
+        request: web.Request,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        first: FirstToken | None,
     ) -> tuple[web.StreamResponse, bool]:
-        """The decode's events through as they come; False when the client went away. Then
-        the decode's connection is closed, which aborts the request there."""
+        """The decode's events through as they come (after ``first``'s, once the decode
+        has taken the request); False when the client went away. Then the decode's
+        connection is closed, which aborts the request there."""
         timeout = aiohttp.ClientTimeout(sock_read=self.decode_timeout_s)
         resp = await self._open("decode", url, body, timeout)
         if resp.status != 200 or "json" in resp.content_type:
@@ -169,8 +178,14 @@ class Proxy:
         out = web.StreamResponse(headers=headers)
         try:
             await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
+            if first is not None:
+                await out.write(first.events(include_usage=False))
+            if first is not None and usage_asked(body):  # its counts need the first token
+                async for line in resp.content:
+                    await out.write(first_token.fix_event(line))
+            else:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
             await out.write_eof()
         except ConnectionResetError:
             logger.info("client went away mid-stream; aborting the decode request")
@@ -198,12 +213,15 @@ class Proxy:
             return web.json_response(error_body(400, problem), status=400)
         prefill_url, decode_url = self.router.route()
         chat = request.path.endswith("/chat/completions")
+        first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
         params: dict[str, Any] | None = None
         done = False
         try:
             started = time.monotonic()
             with self.router.prefills.busy(prefill_url):
                 to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
+                if first_from_prefill:
+                    to_prefill["return_token_ids"] = True
                 prefilled = await self._prefill(prefill_url + request.path, to_prefill)
             # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
             timing = {"Server-Timing": f"prefill;dur={(time.monotonic() - started) * 1e3:.1f}"}
@@ -213,17 +231,23 @@ class Proxy:
                 return web.json_response(
                     error_body(503, str(params["error"]), "KVHandoffError"), status=503
                 )
-            to_decode = {**body, "kv_transfer_params": params} if params else body
+            first = FirstToken.of(prefilled, body) if first_from_prefill else None
+            if first is not None and first.finished:  # the prefill's token was the answer
+                return await self._prefill_only(request, body, first, timing)
+            if first is not None:
+                to_decode = first.decode_body(body, params or {})
+            else:
+                to_decode = {**body, "kv_transfer_params": params} if params else body
             url = decode_url + request.path
             with self.router.decodes.busy(decode_url):
                 if body.get("stream"):
-                    response, done = await self._stream(request, url, to_decode, timing)
+                    response, done = await self._stream(request, url, to_decode, timing, first)
                     return response
                 timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
                 resp = await self._open("decode", url, to_decode, timeout)
                 answer = await self._json("decode", decode_url, resp)
             done = True
-            return web.json_response(answer, headers=timing)
+            return web.json_response(first.joined(answer) if first else answer, headers=timing)
         except LegError as exc:
             if exc.body is not None:
                 return web.json_response(exc.body, status=exc.status)
@@ -232,6 +256,19 @@ class Proxy:
         finally:
             if not done and isinstance(params, dict):
                 self._release(params)
+
+    async def _prefill_only(
+        self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
+    ) -> web.StreamResponse:
+        """The answer when it ends at the prefill's token (its staging is released)."""
+        if not body.get("stream"):
+            return web.json_response(first.answer, headers=timing)
+        out = web.StreamResponse(headers={**timing, "Content-Type": "text/event-stream"})
+        with contextlib.suppress(ConnectionResetError):
+            await out.prepare(request)
+            await out.write(first.events(include_usage=usage_asked(body)))
+            await out.write_eof()
+        return out
 
     async def models(self, _: web.Request) -> web.Response:
         assert self._session is not None
@@ -281,6 +318,11 @@ class Proxy:
         return app
 
 
+def usage_asked(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -297,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
         help="whole decode leg; when streaming, the longest gap between events")  # fmt: skip
     add("--side-channel-key-file", default=None,
         help=f"the prefills' side-channel key, to release early (else ${KEY_ENV})")  # fmt: skip
+    add("--first-token", choices=("prefill", "decode"), default="prefill",
+        help="prefill: where the decode can continue from it, the prefill's token is "
+        "the client's first; decode: the decode's is, as in vLLM's toy proxy")  # fmt: skip
     add("--host", default="127.0.0.1")
     add("--port", type=int, default=8000)
     args = parser.parse_args(argv)
@@ -311,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         prefill_timeout_s=args.prefill_timeout_s,
         decode_timeout_s=args.decode_timeout_s,
         key=load_key(args.side_channel_key_file),
+        first_token_from_prefill=args.first_token == "prefill",
     )
     web.run_app(proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop())
 

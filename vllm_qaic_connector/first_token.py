@@ -1,0 +1,124 @@
+"""The client's first token comes from the prefill.
+
+The prefill samples one token anyway. When the decode continues from it (its prompt is the
+prompt's token ids and that token), the client has it as soon as the prefill answers: the KV
+transfer and the decode's first step leave the time to first token, and the decode computes
+that token's KV instead of recomputing the prompt's last one.
+
+Only for what a decode can continue exactly: a ``/v1/completions`` request whose options do
+not look back over the output (stop strings, penalties, grammars, logprobs...) and a prefill
+whose ticket names the tokens it staged (this connector's; vLLM's NixlConnector loads the
+decode's whole prompt, so it keeps the decode's own first token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_qaic_connector.wire import parse_remote_prefill
+
+# Options whose meaning spans the first token (the decode alone would apply them to the
+# rest only) or that the answer would have to merge across the legs.
+SPANNING = (
+    "echo", "logprobs", "prompt_logprobs", "suffix", "stop", "bad_words", "min_tokens",
+    "frequency_penalty", "presence_penalty", "response_format", "structured_outputs",
+    "use_beam_search", "prompt_embeds", "return_token_ids", "return_tokens_as_token_ids",
+)  # fmt: skip
+DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
+
+
+def eligible(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the prefill's token can be the answer's first."""
+    prompt = body.get("prompt")
+    one_prompt = isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    )
+    return not chat and one_prompt and not any(body.get(k) for k in SPANNING)
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill's answer, as the start of the client's."""
+
+    answer: dict[str, Any]  # the prefill's, without its kv_transfer_params
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool  # the whole answer: a stop, or a limit of one token
+
+    @classmethod
+    def of(cls, prefilled: dict[str, Any], body: dict[str, Any]) -> FirstToken | None:
+        """None where the prefill's answer does not allow it (another connector's ticket,
+        no token ids): then the decode answers from its own first token."""
+        params = prefilled.get("kv_transfer_params")
+        try:
+            [choice] = prefilled["choices"]
+            prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
+            parse_remote_prefill(params if isinstance(params, dict) else {})
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1):
+            return None
+        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+        finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        answer = {k: v for k, v in prefilled.items() if k != "kv_transfer_params"}
+        for key in ("prompt_token_ids", "token_ids"):
+            answer["choices"][0].pop(key, None)
+        return cls(answer, choice.get("text") or "", prompt_ids, ids, finished)
+
+    def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The decode leg: the prompt and the first token as token ids, one token fewer."""
+        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+        out = {k: v for k, v in body.items() if k != "truncate_prompt_tokens"}
+        out.update(
+            prompt=self.prompt_token_ids + self.token_ids,
+            max_tokens=None if limit is None else limit - 1,
+            request_id=self.answer["id"].removeprefix("cmpl-"),  # its events: the same id
+            kv_transfer_params=params,
+        )
+        return out
+
+    def joined(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The decode's whole answer, with the first token put back in front."""
+        choice = answer["choices"][0]
+        choice["text"] = self.text + (choice.get("text") or "")
+        answer["usage"] = fix_usage(answer.get("usage"))
+        return answer
+
+    def events(self, include_usage: bool) -> bytes:
+        """The first token as a streamed event; the whole stream when the prefill finished."""
+        choice = {**self.answer["choices"][0], "text": self.text}
+        if not self.finished:
+            choice.update(finish_reason=None, stop_reason=None)
+        chunk = {**self.answer, "choices": [choice], "usage": None}
+        out = [chunk]
+        if self.finished and include_usage:
+            out.append({**self.answer, "choices": [], "usage": self.answer.get("usage")})
+        data = b"".join(event(c) for c in out)
+        return data + b"data: [DONE]\n\n" if self.finished else data
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def fix_usage(usage: Any) -> Any:
+    """The decode counted the first token as prompt: it is the answer's."""
+    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
+        return usage
+    return {
+        **usage,
+        "prompt_tokens": usage["prompt_tokens"] - 1,
+        "completion_tokens": usage.get("completion_tokens", 0) + 1,
+    }
+
+
+def fix_event(line: bytes) -> bytes:
+    """One line of the decode's stream, its usage (if any) recounted."""
+    if not line.startswith(b"data: {") or not (b'"usage":{' in line or b'"usage": {' in line):
+        return line
+    payload = json.loads(line[6:])
+    payload["usage"] = fix_usage(payload.get("usage"))
+    return f"data: {json.dumps(payload)}\n".encode()
