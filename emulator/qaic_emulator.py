@@ -276,6 +276,17 @@ class Emulator:
         ids = out[:-1] if out and out[-1] in self.eos_ids else out
         return "".join(stream.step(tok, t) or "" for t in ids)
 
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        """One prompt, as text or token ids; greedy, not streamed."""
+        prompt = body.get("prompt")
+        if body.get("stream") or body.get("temperature"):
+            raise RequestError(400, "want one prompt, temperature 0, no streaming")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        raise RequestError(400, "want one prompt: a string or a list of token ids")
+
     async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body.get("kv_transfer_params") or {}
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
@@ -294,15 +305,13 @@ class Emulator:
         slot: int | None = None
         released = False
         try:
-            prompt, max_tokens = body.get("prompt"), body.get("max_tokens") or 16
-            if not isinstance(prompt, str) or body.get("stream") or body.get("temperature"):
-                raise RequestError(400, "want one string prompt, temperature 0, no streaming")
-            prompt_ids = list(self.tokenizer.encode(prompt))
-            if len(prompt_ids) != remote.num_tokens:
+            prompt_ids = self._prompt_ids(body)
+            # The staged prompt, or (the proxy's first token from the prefill) it and one more.
+            if not remote.num_tokens <= len(prompt_ids) <= remote.num_tokens + 1:
                 raise RequestError(
                     400, f"prompt is {len(prompt_ids)} tokens, staged KV {remote.num_tokens}"
                 )
-            if prompt_hash(prompt_ids) != remote.prompt_hash:
+            if prompt_hash(prompt_ids[: remote.num_tokens]) != remote.prompt_hash:
                 raise RequestError(400, "kv_transfer_params were staged for another prompt")
             slot = await self._acquire_slot()
             try:
@@ -314,16 +323,15 @@ class Emulator:
                 released = True
                 await self._run(self._io, self._release_remote, remote)
             self.counters["loaded_requests"] += 1
-            self.counters["loaded_tokens"] += len(prompt_ids)
+            self.counters["loaded_tokens"] += remote.num_tokens
             self.counters["bytes_copied"] += host
             self.counters["dma_bytes"] += dma
             if self.cfg.corrupt:  # negative control: answers must now go wrong
                 for k, v in (self.target.kv(i) for i in range(self.target.num_layers)):
                     k[slot].zero_()
                     v[slot].zero_()
-            out, finish = await self._run(
-                self._compute, self._decode, slot, prompt_ids, int(max_tokens)
-            )
+            max_tokens = int(body.get("max_tokens") or 16)
+            out, finish = await self._run(self._compute, self._decode, slot, prompt_ids, max_tokens)
         finally:
             if not released:  # refused before binding: still free the prefill's staging
                 await self._run(self._io, self._release_remote, remote)
@@ -332,7 +340,8 @@ class Emulator:
         text, n = self._detokenize(prompt_ids, out), len(prompt_ids)
         usage = {"prompt_tokens": n, "completion_tokens": len(out), "total_tokens": n + len(out)}
         choice = {"index": 0, "text": text, "finish_reason": finish}
-        return {"id": f"cmpl-qaic-{time.monotonic_ns()}", "object": "text_completion",
+        rid = body.get("request_id") or f"qaic-{time.monotonic_ns()}"
+        return {"id": f"cmpl-{rid}", "object": "text_completion",
                 "model": body.get("model"), "choices": [choice], "usage": usage}  # fmt: skip
 
     # --- HTTP -----------------------------------------------------------------------------

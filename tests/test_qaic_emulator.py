@@ -232,6 +232,35 @@ def test_decodes_from_slot_bytes_like_the_reference(
         prefill.close()
 
 
+def test_continues_from_the_prefills_first_token(tag):
+    """The proxy's first token from the prefill: the prompt's ids and that token, the slot
+    holding the prompt's KV; the answer is the reference's after its first token."""
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX))
+    try:
+        prompt, answer = copy_task.heldout_prompts(1)[0]
+        ids = emu.tokenizer.encode(prompt)
+        want = greedy_answer(_model(), ids, EOS, zero_kv=False)
+        params = prefill.stage("r0", ids, "qaic_slot", CTX)
+        body = {"model": "m", "prompt": ids + want[:1], "max_tokens": 19, "temperature": 0.0}
+        body.update(request_id="p1", kv_transfer_params=params)
+
+        async def post(client: TestClient) -> tuple[int, dict]:
+            resp = await client.post("/v1/completions", json=body)
+            return resp.status, await resp.json()
+
+        status, out = _run(emu, post)
+        assert status == 200, out
+        first = " " + emu.tokenizer.decode(want[:1])
+        assert first + out["choices"][0]["text"] == " " + emu.tokenizer.decode(want)
+        assert copy_task.is_correct(first + out["choices"][0]["text"], answer)
+        assert out["id"] == "cmpl-p1" and out["usage"]["prompt_tokens"] == len(ids) + 1
+        assert emu.counters["loaded_tokens"] == len(ids)  # the staged ones
+    finally:
+        emu.close()
+        prefill.close()
+
+
 def test_corrupt_zeroes_the_slot_so_answers_fail(tag):
     prefill = FakePrefill(tag)
     emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, corrupt=True))
@@ -257,19 +286,20 @@ def test_refusals_free_the_slot_and_the_staging(tag):
 
         async def scenario(client: TestClient) -> list[tuple[int, dict]]:
             out = [await _post(client, prompt, None)]  # not a handoff
-            out.append(await _post(client, prompt + " f1", params))  # token count mismatch
+            out.append(await _post(client, prompt + " f1 f2", params))  # 2 tokens past it
+            out.append(await _post(client, prompt.rsplit(" ", 1)[0], params))  # short of it
             slot = await emu._acquire_slot()  # the only slot is busy
             out.append(await _post(client, prompt, params))
             emu._free_slot(slot)
             out.append(await _post(client, prompt, params))
             return out
 
-        (s1, b1), (s2, b2), (s3, b3), (s4, _) = _run(emu, scenario)
+        (s1, b1), (s2, b2), (s2b, b2b), (s3, b3), (s4, _) = _run(emu, scenario)
         assert s1 == 400 and "do_remote_prefill" in b1["error"]["message"]
-        assert s2 == 400 and "tokens" in b2["error"]["message"]
+        assert s2 == s2b == 400 and "tokens" in b2["error"]["message"] + b2b["error"]["message"]
         assert s3 == 503 and "slots busy" in b3["error"]["message"]
         assert s4 == 200
-        assert prefill.released == ["r0"] * 3  # every handed-off request freed its staging
+        assert prefill.released == ["r0"] * 4  # every handed-off request freed its staging
         assert emu.slots_in_use == 0 and emu.counters["slot_wait_timeouts"] == 1
         assert emu.target.allocate_slot() == 0  # nothing leaked
     finally:
