@@ -211,6 +211,7 @@ class Prefill(Backend):
         self.delay_s = 0.0
         self.finish_reason = "length"
         self.token_ids = False  # whether it answers return_token_ids (older vLLM does not)
+        self.staged_tokens = len(PROMPT_IDS)  # one short: a model with Mamba layers
         self.params: list[dict[str, Any]] = []  # the kv_transfer_params returned
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
@@ -220,7 +221,8 @@ class Prefill(Backend):
         if self.answer == "kv-error":
             params: dict[str, Any] = {"error": "staging is full"}
         else:
-            params = staged(f"pf-{len(self.requests)}", self.side_port)
+            params = {**staged(f"pf-{len(self.requests)}", self.side_port)}
+            params["num_tokens"] = self.staged_tokens
         self.params.append(params)
         choice: dict[str, Any] = {"index": 0, "text": "x", "finish_reason": self.finish_reason}
         if self.token_ids and body.get("return_token_ids"):
@@ -618,9 +620,17 @@ async def test_options_spanning_the_first_token_keep_the_decodes_own(
     assert decode.requests[0][1] == {**body, "kv_transfer_params": prefill.params[0]}
 
 
-async def test_first_token_decode_keeps_the_decodes_own(prefill: Prefill, decode: Decode) -> None:
+@pytest.mark.parametrize("why", ["--first-token decode", "staged one short"])
+async def test_the_decodes_own_first_token_otherwise(
+    prefill: Prefill, decode: Decode, why: str
+) -> None:
     prefill.token_ids = True
-    async with proxy([prefill.url], [decode.url], first_token_from_prefill=False) as client:
+    if why == "staged one short":
+        prefill.staged_tokens = len(PROMPT_IDS) - 1
+    first_from_prefill = why != "--first-token decode"
+    async with proxy(
+        [prefill.url], [decode.url], first_token_from_prefill=first_from_prefill
+    ) as client:
         resp = await client.post("/v1/completions", json=PROMPT)
         assert await resp.json() == decode.answer_for(PROMPT)
     assert decode.requests[0][1] == {**PROMPT, "kv_transfer_params": prefill.params[0]}

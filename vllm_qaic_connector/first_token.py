@@ -8,7 +8,10 @@ that token's KV instead of recomputing the prompt's last one.
 Only for what a decode can continue exactly: a ``/v1/completions`` request whose options do
 not look back over the output (stop strings, penalties, grammars, logprobs...) and a prefill
 whose ticket names the tokens it staged (this connector's; vLLM's NixlConnector loads the
-decode's whole prompt, so it keeps the decode's own first token).
+decode's whole prompt, so it keeps the decode's own first token), all of the prompt's (a
+model with Mamba layers stages one short, and its decode steps the last prompt token itself:
+vLLM's CPU scan of that token and the next together agreed with none of the aggregated
+answers).
 """
 
 from __future__ import annotations
@@ -56,10 +59,12 @@ class FirstToken:
         try:
             [choice] = prefilled["choices"]
             prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
-            parse_remote_prefill(params if isinstance(params, dict) else {})
+            staged = parse_remote_prefill(params if isinstance(params, dict) else {}).num_tokens
         except (KeyError, TypeError, ValueError):
             return None
         if not (isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1):
+            return None
+        if staged != len(prompt_ids):  # a recurrent state: the decode scans the last one
             return None
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)

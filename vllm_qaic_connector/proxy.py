@@ -35,6 +35,9 @@ logger = logging.getLogger("vllm_qaic_connector.proxy")
 PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
 PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
 ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+# Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
+# reused just as the engine's server closes it (the request would fail to send).
+BACKEND_KEEPALIVE_S = 4.0
 
 
 class LegError(Exception):
@@ -299,7 +302,8 @@ class Proxy:
         return web.json_response({"ok": ok, **report}, status=200 if ok else 503)
 
     async def _start(self, _: web.Application) -> None:
-        self._session = aiohttp.ClientSession()
+        connector = aiohttp.TCPConnector(keepalive_timeout=BACKEND_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector)
 
     async def _stop(self, _: web.Application) -> None:
         if self._releases:
