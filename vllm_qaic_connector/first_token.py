@@ -68,9 +68,9 @@ class FirstToken:
             return None
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        shown = {k: v for k, v in choice.items() if k not in ("prompt_token_ids", "token_ids")}
         answer = {k: v for k, v in prefilled.items() if k != "kv_transfer_params"}
-        for key in ("prompt_token_ids", "token_ids"):
-            answer["choices"][0].pop(key, None)
+        answer["choices"] = [shown]  # a copy: the prefill's answer is left as it came
         return cls(answer, choice.get("text") or "", prompt_ids, ids, finished)
 
     def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
