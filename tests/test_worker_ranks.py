@@ -34,7 +34,10 @@ from vllm_qaic_connector.wire import (
     TransportEndpoint,
 )
 
-CTX = mp.get_context("spawn")
+# A rank is a process of its own, as in vLLM, but forked from a server that has imported
+# the worker once: a spawned one spends ~14 s of CPU importing vLLM and torch here.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["tests.rank_worker"])
 
 
 def start_ranks(target, tp: int, common: dict) -> tuple[list, list]:
