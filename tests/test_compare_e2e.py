@@ -1,9 +1,10 @@
 """The end-to-end comparison script (issue #13 item 3) in its short form, on real servers:
 aggregated vLLM and this connector with 128 -> 32 blocks (vLLM's NixlConnector only in the
-full run, `make compare`: CI time), closed loop and open loop. It must run through, write one
-JSON row per setup and load, report the proxy's prefill leg and the answering engine's own
-times (from its /metrics), and every answer of this connector must be the aggregated
-server's (the script exits 1 otherwise). Times are printed, never asserted."""
+full run, `make compare`: CI time), closed loop, open loop and paired rounds. It must run
+through, write one JSON row per setup and load, report the proxy's prefill leg and the
+answering engine's own times (from its /metrics), and every answer of this connector must
+be the aggregated server's (the script exits 1 otherwise). Times are printed, never
+asserted."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def test_compare_e2e_quick(tmp_path: Path) -> None:
     # Staged and plain prefills alternated on one server: a positive ratio per round.
     found = re.search(r"alternated: median ratio [0-9.]+ \(rounds ([0-9. ]+)\)", proc.stdout)
     assert found and [float(r) > 0 for r in found[1].split()] == [True] * 5, proc.stdout[-2000:]
+    # Paired rounds on servers up at once: a ratio per round, every answer the aggregated one.
+    paired = re.search(r"qaic-shm-128to32: median [0-9.]+ \(rounds ([0-9. ]+)\)", proc.stdout)
+    assert paired and [float(r) > 0 for r in paired[1].split()] == [True] * 2, proc.stdout[-2000:]
+    assert "differing from the aggregated server's, or failed: 0" in proc.stdout
     # The closed-loop floor that the prefill's rate puts under the TTFT, from this run.
     rest = rows["qaic-shm-128to32", 4]["rest_ms"]
     assert 0 < rest < math.inf and f"(after the first token {rest:.0f} ms)" in proc.stdout
