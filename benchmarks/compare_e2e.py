@@ -317,7 +317,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="keep every setup's servers up (mind the memory: 2-3 GiB a server), then\n"
         "ROUNDS rounds of fresh prompts at the highest concurrency through each, the\n"
         "order flipped each round: each round's TTFT p50 ratio to aggregated and their\n"
-        "median, which drift between runs does not move (--quick: 2)",
+        "median, without the drift between setups measured minutes apart (--quick: 2)",
     )
     p.add_argument("--sync-saves", action="store_true", help="this connector with async_saves off")
     p.add_argument("--json", metavar="FILE")
@@ -334,7 +334,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def paired_rounds(args: argparse.Namespace, urls: dict[str, str]) -> int:
     """Runs minutes apart drift by more than the c=8 target's margin (the aggregated row
-    read 110-154 ms in four runs here): each P/D setup against the aggregated server round
+    read 110-154 ms in six runs here): each P/D setup against the aggregated server round
     by round, every server up and idle while another is measured, the order flipped each
     round. Returns the answers that differ from the aggregated server's, or failed."""
     setups, conc = [s for s in urls if s != "aggregated"], max(args.concurrency)
