@@ -129,16 +129,19 @@ async def send_all(
         return await asyncio.gather(*(limited(p, t) for p, t in zip(prompts, starts, strict=True)))
 
 
+def process_cpu(pid: int) -> tuple[str, float] | None:
+    """A live process's name and user + system CPU seconds; None once it has ended."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    utime, stime = stat.rsplit(")", 1)[1].split()[11:13]  # in clock ticks
+    return stat[stat.index("(") + 1 : stat.rindex(")")], (int(utime) + int(stime)) / 100.0
+
+
 def cpu_seconds(servers: list[Server]) -> float:
     """user + system CPU seconds of every live process of ``servers``."""
-    total = 0
-    for pid in (p for s in servers for p in s.pids()):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
-    return total / 100.0
+    return sum(cpu[1] for s in servers for pid in s.pids() if (cpu := process_cpu(pid)))
 
 
 def start(

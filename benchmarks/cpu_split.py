@@ -12,29 +12,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-from compare_e2e import ANSWER_TOKENS, copy_prompts, pin, send_all, start
+from compare_e2e import ANSWER_TOKENS, copy_prompts, pin, process_cpu, send_all, start
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.live_servers import LiveRun, Server  # noqa: E402
+from tests.live_servers import LiveRun, Server  # compare_e2e put the root on sys.path
 
 
 def cpu_by_process(servers: list[Server]) -> dict[tuple[str, int, str], float]:
     """(server, pid, process name) -> user + system CPU seconds."""
-    out = {}
-    for s in servers:
-        for pid in s.pids():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue  # ended
-            name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat.rsplit(")", 1)[1]
-            utime, stime = fields.split()[11:13]
-            out[(s.name, pid, name)] = (int(utime) + int(stime)) / 100.0
-    return out
+    return {
+        (s.name, pid, cpu[0]): cpu[1]
+        for s in servers
+        for pid in s.pids()
+        if (cpu := process_cpu(pid))
+    }
 
 
 def main() -> None:
