@@ -340,6 +340,8 @@ class Emulator:
         text, n = self._detokenize(prompt_ids, out), len(prompt_ids)
         usage = {"prompt_tokens": n, "completion_tokens": len(out), "total_tokens": n + len(out)}
         choice = {"index": 0, "text": text, "finish_reason": finish}
+        if body.get("return_token_ids"):  # as vLLM: the stop token is among them
+            choice.update(prompt_token_ids=prompt_ids, token_ids=out)
         rid = body.get("request_id") or f"qaic-{time.monotonic_ns()}"
         return {"id": f"cmpl-{rid}", "object": "text_completion",
                 "model": body.get("model"), "choices": [choice], "usage": usage}  # fmt: skip

@@ -1,22 +1,32 @@
-"""Writes a random-weights model (no training) for harness runs on "any other model".
+"""Writes a random-weights model (no training) with its own byte-level BPE tokenizer.
 
-It borrows the shipped model's tokenizer and uses another geometry (more layers, more KV
-heads, head size 64), so the connector meets shapes the copy model does not have.
-`--arch gemma3` writes a text-only Gemma3 whose 4 layers alternate sliding-window (64)
-and full attention, so vLLM builds a hybrid (two-group) KV cache. `--arch granite_hybrid`
-writes a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV cache group
-plus a Mamba state group.
-    python scripts/make_random_model.py OUT_DIR [--arch gemma3|granite_hybrid]
+Random models meet what the shipped copy model never does: a tokenizer trained here on
+multilingual text (about 700 tokens, so many tokens hold part of a character and a
+generated token is often not whole UTF-8 text), another geometry, another architecture.
+The output layer is scaled (``--sharpen``) so that the top logit leads by far more than
+float32 rounding: two servers that compute the same KV agree token for token, and one that
+computes other KV does not.
+
+    python scripts/make_random_model.py OUT_DIR [--arch llama|qwen3|gemma3|granite_hybrid]
+
+- llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
+- qwen3: q/k RMSNorm, 4 KV heads of 64, 3 layers.
+- gemma3: 4 layers alternating sliding-window (64) and full attention: vLLM builds a
+  hybrid (two-group) KV cache.
+- granite_hybrid: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV
+  cache group plus a Mamba state group.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import random
 from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -25,36 +35,79 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+SPECIAL = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
+VOCAB_SIZE = 700
+SHARPEN = 30.0  # output-layer scale: logits' spread ~10 instead of ~0.3
+# Scripts whose characters take 1-4 UTF-8 bytes: a small vocabulary merges only some of
+# their byte pairs, so tokens split characters.
+WORDS = (
+    "the quick brown fox jumps over lazy dogs while numbers 0123456789 count; "
+    "héllo wörld façade naïve über straße; ελληνικά κείμενα; русский текст; "
+    "日本語のテキストと漢字; 한국어 문장; עברית; العربية; emoji 😀🎉🚀🌍 ✓ → ∑ ≠"
+).split()
 
 
-def shared(base: LlamaConfig) -> dict[str, Any]:
-    """Sizes both architectures use, and the shipped model's vocabulary and special ids."""
+def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style), trained on random sentences of WORDS."""
+    rng = random.Random(seed)
+    corpus = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(3000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": SPECIAL[0],
+        "bos_token": SPECIAL[1],
+        "eos_token": SPECIAL[2],
+        "model_max_length": 1024,
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return tok
+
+
+def shared(vocab_size: int) -> dict[str, Any]:
+    """Sizes and special ids every architecture uses."""
     return dict(
-        vocab_size=base.vocab_size,
+        vocab_size=vocab_size,
         hidden_size=256,
         intermediate_size=512,
         num_attention_heads=4,
         head_dim=64,
         max_position_embeddings=1024,
-        bos_token_id=base.bos_token_id,
-        eos_token_id=base.eos_token_id,
-        pad_token_id=base.pad_token_id,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,  # the output layer alone is sharpened
         torch_dtype="float32",
     )
 
 
-def llama(base: LlamaConfig) -> PreTrainedModel:
-    return LlamaForCausalLM(LlamaConfig(**shared(base), num_hidden_layers=3, num_key_value_heads=4))
+def llama(vocab: int) -> PreTrainedModel:
+    return LlamaForCausalLM(LlamaConfig(**shared(vocab), num_hidden_layers=3, num_key_value_heads=2))
 
 
-def gemma3(base: LlamaConfig) -> PreTrainedModel:
+def qwen3(vocab: int) -> PreTrainedModel:
+    return Qwen3ForCausalLM(Qwen3Config(**shared(vocab), num_hidden_layers=3, num_key_value_heads=4))
+
+
+def gemma3(vocab: int) -> PreTrainedModel:
     """Layers alternate sliding-window (64 tokens) and full attention: two KV cache groups."""
     cfg = Gemma3TextConfig(
-        **shared(base),
+        **shared(vocab),
         num_hidden_layers=4,
         num_key_value_heads=2,
         query_pre_attn_scalar=64,
@@ -65,9 +118,9 @@ def gemma3(base: LlamaConfig) -> PreTrainedModel:
     return Gemma3ForCausalLM(cfg)
 
 
-def granite_hybrid(base: LlamaConfig) -> PreTrainedModel:
+def granite_hybrid(vocab: int) -> PreTrainedModel:
     """Layers alternate Mamba2 (recurrent state) and attention, with dense MLPs."""
-    sizes = {k: v for k, v in shared(base).items() if k != "head_dim"}
+    sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
     cfg = GraniteMoeHybridConfig(
         **sizes,
         num_hidden_layers=4,
@@ -84,21 +137,22 @@ def granite_hybrid(base: LlamaConfig) -> PreTrainedModel:
     return GraniteMoeHybridForCausalLM(cfg)
 
 
-ARCHS = {"llama": llama, "gemma3": gemma3, "granite_hybrid": granite_hybrid}
+ARCHS = {"llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid}
 
 
-def main(out: Path, arch: str = "llama") -> None:
+def main(out: Path, arch: str = "llama", sharpen: float = SHARPEN) -> None:
     torch.manual_seed(0)
-    src = ROOT / "models" / "tiny-copy"
-    ARCHS[arch](LlamaConfig.from_pretrained(src)).save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
+    tok = train_tokenizer(out)
+    model = ARCHS[arch](tok.get_vocab_size())
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    model.save_pretrained(out)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output directory")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    parser.add_argument("--sharpen", type=float, default=SHARPEN, help="output-layer scale")
     args = parser.parse_args()
-    main(args.out, args.arch)
+    main(args.out, args.arch, args.sharpen)

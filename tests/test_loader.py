@@ -119,3 +119,34 @@ def test_wait_returns_when_these_loads_are_done_or_at_its_bound():
     finally:
         peers.release_dead.set()
         loader.shutdown()
+
+
+def test_a_load_parked_on_a_handshake_starts_when_it_resolves_with_no_engine_step():
+    """A lone request to an idle engine: nothing calls the loader again (no step, no other
+    load), so the handshake's resolution itself must start the parked load."""
+    from vllm_qaic_connector.peers import PeerDirectory
+    from vllm_qaic_connector.side_channel import SideChannelServer
+    from vllm_qaic_connector.wire import ErrorReply, Message
+
+    def slow_peer(_: Message) -> Message:
+        time.sleep(0.5)  # a peer that takes its time: the load parks first
+        return ErrorReply("engine not ready")
+
+    server = SideChannelServer("127.0.0.1", 0, slow_peer, None)
+    peers = PeerDirectory("decode", None, timeout_s=5.0)
+    started = threading.Event()
+
+    def run(spec: str, gate: WriteGate) -> tuple[str, bool]:
+        started.set()
+        return spec, True
+
+    loader = Loader(run, Peers.fail, timeout_s=30.0)
+    peers.when_resolved(loader.dispatch)
+    try:
+        assert peers.poll("127.0.0.1", server.port) is None  # the handshake is under way
+        loader.submit("r1", "peer", lambda: peers.poll("127.0.0.1", server.port, False) is not None)
+        assert not started.is_set()  # parked on the handshake
+        assert started.wait(10.0), "the load stayed parked after its handshake resolved"
+    finally:
+        loader.shutdown()
+        server.close()

@@ -12,6 +12,14 @@ decode's whole prompt, so it keeps the decode's own first token), all of the pro
 model with Mamba layers stages one short, and its decode steps the last prompt token itself:
 vLLM's CPU scan of that token and the next together agreed with none of the aggregated
 answers).
+
+And only where the text is exact. vLLM detokenizes incrementally (`DecodeStream`): a token
+whose bytes are not whole UTF-8 text is held back, or shown as U+FFFD, until later tokens
+complete it, and a decode primed with a prompt that ends in such a token restarts its text
+elsewhere. So a prefill's token whose text is empty or holds U+FFFD is not the client's: the
+decode computes its own first token, as the aggregated server would (never a guess).
+Likewise where the answer's randomness or spacing carries state across the first token (a
+seeded sampler, no spaces between special tokens).
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ from vllm_qaic_connector.wire import parse_remote_prefill
 SPANNING = (
     "echo", "logprobs", "prompt_logprobs", "suffix", "stop", "bad_words", "min_tokens",
     "frequency_penalty", "presence_penalty", "response_format", "structured_outputs",
-    "use_beam_search", "prompt_embeds", "return_token_ids", "return_tokens_as_token_ids",
+    "use_beam_search", "prompt_embeds", "return_tokens_as_token_ids",
 )  # fmt: skip
+UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
 
 
@@ -38,7 +47,11 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
     one_prompt = isinstance(prompt, str) or (
         isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
     )
-    return not chat and one_prompt and not any(body.get(k) for k in SPANNING)
+    seeded = body.get("seed") is not None and body.get("temperature", 1.0) != 0
+    stateful = seeded or body.get("spaces_between_special_tokens") is False
+    ids_streamed = bool(body.get("return_token_ids")) and bool(body.get("stream"))
+    spanning = any(body.get(k) for k in SPANNING)
+    return not chat and one_prompt and not (spanning or stateful or ids_streamed)
 
 
 @dataclass(frozen=True)
@@ -68,10 +81,15 @@ class FirstToken:
             return None
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        text = choice.get("text") or ""
+        if not finished and (not text or UNSURE_TEXT in text):
+            return None  # its text depends on the tokens after it: the decode's own
         shown = {k: v for k, v in choice.items() if k not in ("prompt_token_ids", "token_ids")}
         answer = {k: v for k, v in prefilled.items() if k != "kv_transfer_params"}
         answer["choices"] = [shown]  # a copy: the prefill's answer is left as it came
-        return cls(answer, choice.get("text") or "", prompt_ids, ids, finished)
+        if body.get("return_token_ids"):
+            shown.update(prompt_token_ids=prompt_ids, token_ids=ids)
+        return cls(answer, text, prompt_ids, ids, finished)
 
     def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         """The decode leg: the prompt and the first token as token ids, one token fewer."""
@@ -89,6 +107,11 @@ class FirstToken:
         """The decode's whole answer, with the first token put back in front."""
         choice = answer["choices"][0]
         choice["text"] = self.text + (choice.get("text") or "")
+        if "token_ids" in choice:  # asked for by the client: the prompt is the prefill's
+            choice.update(
+                prompt_token_ids=self.prompt_token_ids,
+                token_ids=self.token_ids + (choice["token_ids"] or []),
+            )
         answer["usage"] = fix_usage(answer.get("usage"))
         return answer
 

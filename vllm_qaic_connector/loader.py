@@ -79,10 +79,13 @@ class Loader(Generic[Spec, Result]):
         with self._lock:
             self._in_flight[id(gate)] = (spec, gate, time.monotonic() + self.timeout_s)
             self._parked.append((spec, gate, peer, ready))
-        self._dispatch()
+        self.dispatch()
         return id(gate)
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
+        """Starts the parked loads that can start. Called on every event that can free one
+        (a submit, a finished load, a resolved handshake), not only on the engine's steps: an
+        idle engine may not step again until its request is loaded."""
         with self._lock:
             waiting = []
             for spec, gate, peer, ready in self._parked:
@@ -104,7 +107,7 @@ class Loader(Generic[Spec, Result]):
         with self._lock:
             self._running[peer] -= 1
         self._finish(gate, result)
-        self._dispatch()
+        self.dispatch()
 
     def _finish(self, gate: WriteGate, result: Result) -> None:
         if gate.report_once():
@@ -119,7 +122,7 @@ class Loader(Generic[Spec, Result]):
         asynchronous). A load parked until its peer's handshake resolves starts meanwhile."""
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            self._dispatch()
+            self.dispatch()
             with self._reported:
                 if self._in_flight.keys().isdisjoint(keys):
                     return
@@ -127,7 +130,7 @@ class Loader(Generic[Spec, Result]):
 
     def take_finished(self) -> list[Result]:
         """Loads done since the last call, and loads past their deadline (as failed)."""
-        self._dispatch()
+        self.dispatch()
         now = time.monotonic()
         with self._lock:
             overdue = [(s, g) for s, g, deadline in self._in_flight.values() if deadline <= now]

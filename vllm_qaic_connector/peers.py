@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
@@ -127,6 +128,12 @@ class PeerDirectory:
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._lock = threading.Lock()
         self._completed = 0  # handshakes since the last take_handshakes()
+        self._on_resolved: list[Callable[[], None]] = []
+
+    def when_resolved(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs (on the handshake's thread) each time a handshake resolves,
+        so what waits on one goes on without waiting for anything else."""
+        self._on_resolved.append(callback)
 
     def _probe(self, host: str, port: int) -> None:
         """A plain TCP connect: a refused port or an unknown host fails at once, by name,
@@ -200,6 +207,8 @@ class PeerDirectory:
         finally:
             entry.finished = time.monotonic()
             entry.done.set()
+            for callback in self._on_resolved:
+                callback()
 
     def _entry(self, host: str, port: int, retry: bool = True) -> _Entry:
         with self._lock:

@@ -167,6 +167,7 @@ class WorkerSide:
             self._copies,
         )
         self._loader = Loader(self.loads.load, self.loads.failed, self.cfg.load_timeout_s)
+        self.peers.when_resolved(self._loader.dispatch)  # parked loads start at once
         logger.info(
             "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
             self.tp_rank, cache.layout.kind, len(tensors), self.geometry.block_size,
