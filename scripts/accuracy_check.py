@@ -12,9 +12,11 @@ import json
 import random
 import re
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
+import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import copy_task  # noqa: E402
@@ -36,10 +38,35 @@ def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple
     ]
 
 
+def decode_loads(urls: list[str]) -> tuple[float, float]:
+    """(loaded requests, load failures) summed over the decodes' connector metrics."""
+    texts = [requests.get(u + "/metrics", timeout=10).text for u in urls]
+    return tuple(  # type: ignore[return-value]
+        sum(metric(t, f"vllm:qaic_kv_{name}_total") for t in texts)
+        for name in ("loaded_requests", "load_failures")
+    )
+
+
+def loaded_since(urls: list[str], before: tuple[float, float], wait_s: float = 5.0) -> bool:
+    """Whether the decodes loaded one more request (and failed none) since ``before``: the
+    connector's counters reach /metrics a step or two after the answer."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        loaded, failed = decode_loads(urls)
+        if failed > before[1]:
+            return False
+        if loaded > before[0] or time.monotonic() > deadline:
+            return loaded > before[0]
+        time.sleep(0.2)
+
+
 async def run(args: argparse.Namespace) -> None:
-    prompts = build_prompts(args.task, args.num_prompts, args.model_dir)
+    gaps = args.gaps or []
+    count = len(gaps) if gaps else args.num_prompts
+    prompts = build_prompts(args.task, args.offset + count, args.model_dir)[args.offset :]
     max_tokens = copy_task.answer_max_tokens() if args.task == "copy" else 16
-    sem = asyncio.Semaphore(args.concurrency)
+    # One at a time after each gap (the first right away), or CONCURRENCY at a time.
+    sem = asyncio.Semaphore(1 if gaps else args.concurrency)
     results: list[dict | None] = [None] * len(prompts)
     done = 0
 
@@ -51,25 +78,44 @@ async def run(args: argparse.Namespace) -> None:
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "seed": 0,
+            "return_token_ids": True,  # the verdict compares tokens, not only their text
         }
         if args.cache_salt:
             body["cache_salt"] = args.cache_salt
-        async with sem, session.post(args.url + "/v1/completions", json=body) as resp:
-            payload = await resp.json(content_type=None)
-        if resp.status != 200:
-            results[i] = {"error": f"HTTP {resp.status}: {str(payload)[:300]}"}
-        else:
-            results[i] = {
-                "text": payload["choices"][0]["text"],
-                "prompt_tokens": payload["usage"]["prompt_tokens"],
-            }
+        async with sem:
+            if gaps:
+                await asyncio.sleep(gaps[i])
+                before = await asyncio.to_thread(decode_loads, args.decode_urls)
+            t0 = time.monotonic()
+            async with session.post(args.url + "/v1/completions", json=body) as resp:
+                payload = await resp.json(content_type=None)
+            seconds = time.monotonic() - t0
+            if resp.status != 200:
+                results[i] = {"error": f"HTTP {resp.status}: {str(payload)[:300]}"}
+            else:
+                choice = payload["choices"][0]
+                results[i] = {
+                    "text": choice["text"],
+                    "token_ids": choice.get("token_ids"),
+                    "prompt_tokens": payload["usage"]["prompt_tokens"],
+                    "seconds": seconds,
+                }
+                if gaps:
+                    loaded = await asyncio.to_thread(loaded_since, args.decode_urls, before)
+                    results[i]["loaded"] = loaded  # type: ignore[index]
+                    how = "from loaded KV" if loaded else "NOT from loaded KV"
+                    print(f"  [{args.label}] after {gaps[i]:g}s idle: {seconds:.2f}s, {how}")
         done += 1
         if done % max(1, len(prompts) // 8) == 0 or done == len(prompts):
             print(f"  [{args.label}] {done}/{len(prompts)} done", flush=True)
 
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(one(i, session) for i in range(len(prompts))))
+        if gaps:  # in order: each gap is idle time before its request
+            for i in range(len(prompts)):
+                await one(i, session)
+        else:
+            await asyncio.gather(*(one(i, session) for i in range(len(prompts))))
     out = [
         {"prompt": p, "answer": a, **(r or {})} for (p, a), r in zip(prompts, results, strict=False)
     ]
@@ -109,21 +155,46 @@ def accuracy(rows: list[dict]) -> float:
     return ok / len(rows)
 
 
+def same_answer(d: dict, a: dict) -> bool:
+    """The same token ids (every server here returns them) and the same text."""
+    ids = d.get("token_ids")
+    return ids is not None and ids == a.get("token_ids") and d.get("text") == a.get("text")
+
+
+def lone_failures(lone: list[dict], agg: list[dict], first_max_s: float = 10.0) -> list[str]:
+    """Requests sent one at a time after idle gaps (the first right after start-up): each
+    equal to the aggregated answer, from loaded KV, and in time: the first within
+    ``first_max_s`` (a fresh decode's first forward is slow), the others within 2 s plus
+    the aggregated server's time for the same prompt."""
+    failures, times = [], []
+    for i, (d, a) in enumerate(zip(lone, agg, strict=True)):
+        if "error" in d:
+            failures.append(f"lone request {i} failed: {d['error']}")
+            continue
+        limit = first_max_s if i == 0 else 2.0 + a.get("seconds", 0.0)
+        times.append(f"{d['seconds']:.2f}s")
+        if not same_answer(d, a):
+            failures.append(f"lone request {i} answered otherwise than the aggregated server")
+        if not d.get("loaded"):
+            failures.append(f"lone request {i} was not answered from loaded KV (recomputed?)")
+        if d["seconds"] > limit:
+            failures.append(f"lone request {i} took {d['seconds']:.1f}s (limit {limit:.1f}s)")
+    print(f"lone requests after idle gaps: {' '.join(times)}")
+    return failures
+
+
 def verdict(args: argparse.Namespace) -> int:
     disagg = json.loads(Path(args.disagg).read_text())
     agg = json.loads(Path(args.agg).read_text())
+    agg, agg_lone = agg[: len(disagg)], agg[len(disagg) :]  # the reference of both runs
     per_decode = [Path(p).read_text() for p in args.decode_metrics]
     metrics = "\n".join(per_decode)
     failures = []
     errors = [r["error"] for r in disagg if "error" in r]
     if errors:
         failures.append(f"{len(errors)} disaggregated requests failed, first: {errors[0]}")
-    same = sum(
-        1
-        for d, a in zip(disagg, agg, strict=False)
-        if "text" in d and d.get("text") == a.get("text")
-    )
-    agreement = 100.0 * same / len(agg)
+    same = sum(1 for d, a in zip(disagg, agg, strict=False) if same_answer(d, a))
+    agreement = 100.0 * same / len(disagg)
     copy = disagg[0]["answer"] is not None
     acc_d = accuracy(disagg) if copy else float("nan")
     acc_a = accuracy(agg) if copy else float("nan")
@@ -160,6 +231,8 @@ def verdict(args: argparse.Namespace) -> int:
             sources = sum(1 for n in peers.values() if n > 0)
             if sources < args.expect_peers:
                 failures.append(f"decode {i} loaded from {sources} of {args.expect_peers} prefills")
+    if args.lone:
+        failures += lone_failures(json.loads(Path(args.lone).read_text()), agg_lone)
     for f in failures:
         print(f"FAIL: {f}")
     print(
@@ -183,6 +256,12 @@ def main() -> int:
     r.add_argument("--label", default="run")
     r.add_argument("--cache-salt", default=None, help="no prefix-cache sharing with other runs")
     r.add_argument("--out", required=True)
+    r.add_argument("--offset", type=int, default=0, help="skip this many prompts of the set")
+    r.add_argument(
+        "--gaps", type=float, nargs="*", default=None,
+        help="one request per gap, alone, after that many seconds idle (0: at once)",
+    )  # fmt: skip
+    r.add_argument("--decode-urls", nargs="*", default=[], help="with --gaps: decodes' metrics")
     v = sub.add_parser("verdict")
     v.add_argument("--disagg", required=True)
     v.add_argument("--agg", required=True)
@@ -191,6 +270,7 @@ def main() -> int:
         "--expect-peers", type=int, default=0, help="each decode must load from this many prefills"
     )
     v.add_argument("--transport", required=True)
+    v.add_argument("--lone", default=None, help="run --gaps results (prompts after --disagg's)")
     v.add_argument("--min-accuracy", type=float, default=0.95)
     v.add_argument("--min-agreement", type=float, default=100.0)
     args = parser.parse_args()

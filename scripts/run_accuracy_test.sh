@@ -9,8 +9,13 @@ cd "$ROOT"
 MODEL=${MODEL:-$ROOT/models/tiny-copy}
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 CONCURRENCY=${CONCURRENCY:-8}
+# Block sizes: one, or one per instance (e.g. "128 32" with two instances).
 PREFILL_BLOCK_SIZE=${PREFILL_BLOCK_SIZE:-128}
 DECODE_BLOCK_SIZE=${DECODE_BLOCK_SIZE:-128}
+# Before the concurrent runs, one request at a time through the proxy after each of these
+# idle gaps (seconds; the first right after start-up): each timed, from loaded KV, and
+# equal to the aggregated answer. Empty: none.
+LONE_GAPS=${LONE_GAPS-0 2 15}
 PREFILLER_TP_SIZE=${PREFILLER_TP_SIZE:-1}
 DECODER_TP_SIZE=${DECODER_TP_SIZE:-1}
 # xPyD: the proxy round-robins over every (prefill, decode) pair.
@@ -49,6 +54,8 @@ XPYD=0; [ "$NUM_PREFILL_INSTANCES$NUM_DECODE_INSTANCES" = 11 ] || XPYD=1
 [ "$XPYD" = 0 ] || [ "$PREFILLER_TP_SIZE$DECODER_TP_SIZE$DECODE_TARGET" = 11vllm ] \
   || unsupported "several instances need TP 1 and DECODE_TARGET=vllm (this machine has 2 cores)"
 [ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
+read -r -a P_BLOCKS <<< "$PREFILL_BLOCK_SIZE"; read -r -a D_BLOCKS <<< "$DECODE_BLOCK_SIZE"
+read -r -a GAPS <<< "$LONE_GAPS"
 
 bash "$ROOT/scripts/setup_env.sh"
 PY="$ROOT/.venv/bin/python"
@@ -154,7 +161,7 @@ DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:
 D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
 for i in "${!P_PORTS[@]}"; do
   # shellcheck disable=SC2046
-  serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "$PREFILL_BLOCK_SIZE" "$(ktc kv_producer "${RUN_ID}p$i" 0)" \
+  serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$(ktc kv_producer "${RUN_ID}p$i" 0)" \
     "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
 done
 if [ "$DECODE_TARGET" = qaic ]; then
@@ -173,7 +180,7 @@ if [ "$DECODE_TARGET" = qaic ]; then
 else
   for j in "${!D_PORTS[@]}"; do
     # shellcheck disable=SC2046
-    serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "$DECODE_BLOCK_SIZE" \
+    serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "${D_BLOCKS[j % ${#D_BLOCKS[@]}]}" \
       "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" $(tp_args "$DECODER_TP_SIZE")
   done
 fi
@@ -202,15 +209,24 @@ for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
 wait_ready proxy "$X_PORT"
 
-run_prompts() {  # label url out [extra args]
+run_prompts() {  # label url out num_prompts [extra args]
   "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
-    --num-prompts "$NUM_PROMPTS" --concurrency "$CONCURRENCY" --out "$3" "${@:4}"
+    --num-prompts "$4" --concurrency "$CONCURRENCY" --out "$3" "${@:5}"
 }
+DECODE_METRICS_URLS=(); for port in "${D_PORTS[@]}"; do DECODE_METRICS_URLS+=("http://127.0.0.1:$port"); done
+# First, as a user meets a fresh pair: single requests with idle time before each (the
+# prompts after the concurrent run's).
+LONE_ARGS=()
+if [ ${#GAPS[@]} -gt 0 ]; then
+  run_prompts lone "http://127.0.0.1:$X_PORT" "$RUN_DIR/lone.json" 0 --offset "$NUM_PROMPTS" \
+    --gaps "${GAPS[@]}" --decode-urls "${DECODE_METRICS_URLS[@]}"
+  LONE_ARGS=(--lone "$RUN_DIR/lone.json")
+fi
 # The reference: the prefill instance serves the prompts itself (a plain request leaves its
 # connector idle), salted so that it shares no prefix-cache block with the handoffs. One
 # server fewer than a separate aggregated instance: start-up is most of a run's time here.
-run_prompts aggregated "http://127.0.0.1:$P_PORT" "$RUN_DIR/agg.json" --cache-salt reference
-run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json"
+run_prompts aggregated "http://127.0.0.1:$P_PORT" "$RUN_DIR/agg.json" $((NUM_PROMPTS + ${#GAPS[@]})) --cache-salt reference
+run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json" "$NUM_PROMPTS"
 sleep 1  # let the last step's connector stats reach the metrics endpoint
 METRICS=()
 for j in "${!D_PORTS[@]}"; do
@@ -225,7 +241,7 @@ MIN_ACC=0.95; [ "$TASK" = text ] && MIN_ACC=0
 MIN_AGREEMENT=100; [ "$DECODE_TARGET" = qaic ] && MIN_AGREEMENT=99
 set +e
 "$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
-  --decode-metrics "${METRICS[@]}" "${PEER_ARGS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
+  --decode-metrics "${METRICS[@]}" "${PEER_ARGS[@]}" "${LONE_ARGS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
   --min-agreement "$MIN_AGREEMENT" > "$RUN_DIR/verdict.txt"
 status=$?
 set -e

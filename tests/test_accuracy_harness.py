@@ -78,23 +78,14 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
             "PREFILL_BLOCK_SIZE": "32",
             "DECODE_BLOCK_SIZE": "128",
             "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
+            "LONE_GAPS": "0",  # the idle gaps run in the default case and the random models'
         },
-        # xPyD over NIXL: 2 prefills x 2 decodes, every decode reads from both prefills (the
-        # harness checks the per-prefill counter); the prefills stage in their own block size
-        # and the decodes convert on receive.
-        {
-            **HETERO,
-            "KV_TRANSPORT": "nixl",
-            "NUM_PREFILL_INSTANCES": "2",
-            "NUM_DECODE_INSTANCES": "2",
-            "PREFILL_BLOCK_SIZE": "128",
-            "DECODE_BLOCK_SIZE": "32",
-            "STAGE_AT": "decode",
-        },
+        # xPyD over NIXL (2 prefills x 2 decodes, decodes converting) runs on the random
+        # Qwen3 below.
         # Prefill TP 2 -> decode TP 1 with 512-token blocks runs in CI on the Mamba hybrid
         # (test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1), to keep CI short.
     ],
-    ids=["default-64x8", "p32-d128-chunked", "nixl-2p2d-p128-d32-decode-converts"],
+    ids=["default-64x8", "p32-d128-chunked"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)
@@ -104,14 +95,14 @@ def test_disaggregated_matches_aggregated(env):
     assert m.group(4) == env["NUM_PROMPTS"]
     loads = re.search(r"loaded_requests=(\d+) .* direct_reads=(\d+)", out)
     assert loads, out
-    # shm: every load copies out of the prefill's cache, block sizes equal or not; NIXL
-    # without nixl_direct_reads: every load reads staging.
-    direct = env.get("KV_TRANSPORT", "shm") == "shm"
-    assert int(loads.group(2)) == (int(loads.group(1)) if direct else 0)
+    # shm: every load copies out of the prefill's cache, block sizes equal or not.
+    assert int(loads.group(2)) == int(loads.group(1))
 
 
 def test_negative_control_fails_loudly():
-    rc, out = harness_leaves_nothing(NEGATIVE_CONTROL="1", NUM_PROMPTS="16", CONCURRENCY="8")
+    rc, out = harness_leaves_nothing(
+        NEGATIVE_CONTROL="1", NUM_PROMPTS="16", CONCURRENCY="8", LONE_GAPS="0"
+    )
     assert rc != 0
     assert "corrupted KV was detected" in out
     assert float(last_line(out).group(1)) < 0.3  # zeroed KV: the model cannot answer
@@ -156,29 +147,45 @@ def test_unsupported_combination_exits_with_one_line_reason():
     assert rc != 0 and "unsupported:" in out
 
 
-@pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory) -> Path:
-    """Random weights, another architecture and geometry than the shipped model: Gemma3
-    text, 4 layers alternating sliding-window (64 tokens) and full attention, 2 KV heads of
-    64. vLLM's hybrid KV cache manager gives it two KV cache groups."""
-    return random_model(tmp_path_factory, "gemma3")
+# Random models with their own byte-level BPE tokenizers (scripts/make_random_model.py):
+# generated tokens are often not whole UTF-8 text, and special tokens come up. Two prefills
+# (blocks 128 and 32) x two decodes (32 and 128): the proxy's pairs give 128 -> 32,
+# 128 -> 128, 32 -> 32 and 32 -> 128 in one run, with the proxy's defaults (the first token
+# from the prefill where that is exact). float32, so that only other KV can part answers.
+MIXED_BLOCKS = {
+    "NUM_PREFILL_INSTANCES": "2", "NUM_DECODE_INSTANCES": "2", "PREFILL_BLOCK_SIZE": "128 32",
+    "DECODE_BLOCK_SIZE": "32 128", "DTYPE": "float32", "NUM_PROMPTS": "16",
+}  # fmt: skip
 
 
-def test_hybrid_model_128_to_32_moves_only_the_window_tail(hybrid_model):
-    """Plain-text prompts of 60-300 tokens, gated on greedy agreement; HMA on both sides (two
-    KV cache groups), so the sliding-window layers move at most their window's blocks."""
-    rc, out = harness_leaves_nothing(
-        MODEL=str(hybrid_model), NUM_PROMPTS="16", PREFILL_BLOCK_SIZE="128", DECODE_BLOCK_SIZE="32"
-    )
+@pytest.mark.parametrize(
+    ("arch", "env"),
+    [
+        ("llama", {}),  # grouped-query attention
+        # q/k-norm; over NIXL, each decode converts from the prefill's own format.
+        ("qwen3", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode"}),
+        # Sliding window + full attention: two KV cache groups (HMA on).
+        ("gemma3", {"LONE_GAPS": "0"}),
+    ],
+    ids=["llama-gqa-shm", "qwen3-nixl-decode-converts", "gemma3-hybrid-shm"],
+)
+def test_random_models_with_their_own_tokenizers_agree_token_for_token(
+    tmp_path_factory, arch, env
+):
+    model = random_model(tmp_path_factory, arch)
+    rc, out = harness_leaves_nothing(MODEL=str(model), **MIXED_BLOCKS, **env)
     m = last_line(out)
-    assert rc == 0 and float(m.group(3)) == 100.0
-    cfg = json.loads((hybrid_model / "config.json").read_text())
-    # Full-length KV of every layer, bf16 (vLLM on CPU serves this float32 model in bf16).
-    full = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
-    moved = float(re.search(r"bytes_per_loaded_token=([\d.]+)", out).group(1))
-    print(f"[hybrid] bytes per loaded token {moved:.0f}, full-length KV {full}")
-    # Half the layers are full attention; the sliding ones move ~64-96 of 60-300 tokens.
-    assert full / 2 < moved < 0.85 * full
+    assert rc == 0, "harness gates failed"
+    assert float(m.group(3)) == 100.0 and m.group(4) == "16"  # token ids and text
+    assert "decode 1 loaded requests by prefill engine" in out  # each decode, both prefills
+    if arch == "gemma3":
+        cfg = json.loads((model / "config.json").read_text())
+        # Full-length KV of every layer, float32; the sliding-window layers (half of them)
+        # move only the window's blocks of 60-300-token prompts.
+        full = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 4
+        moved = float(re.search(r"bytes_per_loaded_token=([\d.]+)", out).group(1))
+        print(f"[hybrid] bytes per loaded token {moved:.0f}, full-length KV {full}")
+        assert full / 2 < moved < 0.9 * full
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +206,7 @@ def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
     and this random model's near-tied answers part after a dozen words in some prompts."""
     rc, out = harness_leaves_nothing(
         MODEL=str(mamba_model), NUM_PROMPTS="8", PREFIX_CACHING="0", DTYPE="float32",
-        PREFILLER_TP_SIZE="2", DECODE_BLOCK_SIZE="512",
+        PREFILLER_TP_SIZE="2", DECODE_BLOCK_SIZE="512", LONE_GAPS="0",
     )  # fmt: skip
     assert rc == 0 and float(last_line(out).group(3)) == 100.0
     loads = re.search(r"loaded_tokens=(\d+) .*prompt_tokens=(\d+)", out)
@@ -210,7 +217,7 @@ def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
 def test_mamba_hybrid_model_negative_control_fails(mamba_model):
     rc, out = harness_leaves_nothing(
         MODEL=str(mamba_model), NUM_PROMPTS="4", PREFIX_CACHING="0", DTYPE="float32",
-        NEGATIVE_CONTROL="1",
+        NEGATIVE_CONTROL="1", LONE_GAPS="0",
     )  # fmt: skip
     assert rc != 0 and "corrupted KV was detected" in out
     assert float(last_line(out).group(3)) < 50.0  # zeroed KV and state: answers diverge
