@@ -44,11 +44,12 @@ VOCAB_SIZE = 700
 SHARPEN = 30.0  # output-layer scale: logits' spread ~10 instead of ~0.3
 # Scripts whose characters take 1-4 UTF-8 bytes: a small vocabulary merges only some of
 # their byte pairs, so tokens split characters.
-WORDS = (
+TEXT = (
     "the quick brown fox jumps over lazy dogs while numbers 0123456789 count; "
     "héllo wörld façade naïve über straße; ελληνικά κείμενα; русский текст; "
     "日本語のテキストと漢字; 한국어 문장; עברית; العربية; emoji 😀🎉🚀🌍 ✓ → ∑ ≠"
-).split()
+)
+WORDS = TEXT.split(" ")
 
 
 def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Tokenizer:
@@ -97,11 +98,15 @@ def shared(vocab_size: int) -> dict[str, Any]:
 
 
 def llama(vocab: int) -> PreTrainedModel:
-    return LlamaForCausalLM(LlamaConfig(**shared(vocab), num_hidden_layers=3, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(**shared(vocab), num_hidden_layers=3, num_key_value_heads=2)
+    )
 
 
 def qwen3(vocab: int) -> PreTrainedModel:
-    return Qwen3ForCausalLM(Qwen3Config(**shared(vocab), num_hidden_layers=3, num_key_value_heads=4))
+    return Qwen3ForCausalLM(
+        Qwen3Config(**shared(vocab), num_hidden_layers=3, num_key_value_heads=4)
+    )
 
 
 def gemma3(vocab: int) -> PreTrainedModel:

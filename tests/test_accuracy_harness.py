@@ -169,9 +169,7 @@ MIXED_BLOCKS = {
     ],
     ids=["llama-gqa-shm", "qwen3-nixl-decode-converts", "gemma3-hybrid-shm"],
 )
-def test_random_models_with_their_own_tokenizers_agree_token_for_token(
-    tmp_path_factory, arch, env
-):
+def test_random_models_with_their_own_tokenizers_agree_token_for_token(tmp_path_factory, arch, env):
     model = random_model(tmp_path_factory, arch)
     rc, out = harness_leaves_nothing(MODEL=str(model), **MIXED_BLOCKS, **env)
     m = last_line(out)

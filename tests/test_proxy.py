@@ -5,8 +5,10 @@ real side-channel server recording the early releases the proxy sends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterator
@@ -643,3 +645,48 @@ def test_usage_in_the_decodes_stream_counts_the_first_token_as_answer() -> None:
     assert fixed["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     for untouched in (CHUNKS[0].split(b"\n")[0] + b"\n", b"data: [DONE]\n", b"\n"):
         assert first_token.fix_event(untouched) == untouched
+
+
+# --- the proxy needs neither torch nor vLLM ----------------------------------------------------
+
+BLOCKED = ("torch", "vllm", "numpy")
+NO_HEAVY_IMPORTS = (
+    "import runpy, sys\n"
+    f"for name in {BLOCKED!r}: sys.modules[name] = None  # an import of it fails\n"
+    "runpy.run_module('vllm_qaic_connector.proxy', run_name='__main__')\n"
+)
+
+
+async def test_the_proxy_runs_with_torch_vllm_and_numpy_absent(
+    prefill: Prefill, decode: Decode, side: SideChannel
+) -> None:
+    """As an operator runs it on a router host: its own process, none of those installed.
+    Every path that reads a ticket (the first token, an early release) runs."""
+    prefill.token_ids = True
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", NO_HEAVY_IMPORTS, "--port", str(port),
+        "--prefill", prefill.url, "--decode", decode.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with client.get("/health") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+            answer = await resp.json()
+            assert answer["choices"][0]["text"] == "x" + "decode says hi", answer
+            assert decode.requests[0][1]["prompt"] == PROMPT_IDS + [FIRST_ID]  # first token
+            decode.answer = "text"  # a failed decode leg: the staging is released early
+            resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+            assert resp.status == 502
+            assert "pf-2" in await side.wait_released("pf-2")
+    finally:
+        proc.terminate()
+        out, _ = await proc.communicate()
+    assert b"Error" not in out, out.decode()[-2000:]

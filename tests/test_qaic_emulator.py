@@ -379,7 +379,10 @@ def test_vllm_prefill_to_qaic_emulator(transport, programs):
 def test_qaic_negative_control_fails():
     # Over NIXL: the READ lands in the slot, and zeroing the slot must still be caught.
     rc, out = harness(
-        DECODE_TARGET="qaic", KV_TRANSPORT="nixl", NEGATIVE_CONTROL="1", NUM_PROMPTS="16",
+        DECODE_TARGET="qaic",
+        KV_TRANSPORT="nixl",
+        NEGATIVE_CONTROL="1",
+        NUM_PROMPTS="16",
         LONE_GAPS="0",
     )
     assert rc != 0

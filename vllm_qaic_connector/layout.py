@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vllm_qaic_connector.stream_copy import NATIVE, BlockRows, BlockTiles
+from vllm_qaic_connector.wire import LAYOUT_KINDS
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class QaicSlotLayout(CudaHNDLayout):
 LAYOUTS: dict[str, KVLayout] = {
     cls.kind: cls() for cls in (CudaNHDLayout, CudaHNDLayout, VllmCpuLayout, QaicSlotLayout)
 }
+assert tuple(LAYOUTS) == LAYOUT_KINDS, "wire.LAYOUT_KINDS names every layout, in order"
 
 
 def get_layout(kind: str) -> KVLayout:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.layout import LAYOUTS
 from vllm_qaic_connector.qaic_target import torch_dtype
 from vllm_qaic_connector.side_channel import SideChannelTimeout
 from vllm_qaic_connector.transports.base import staging_name
 from vllm_qaic_connector.transports.nixl import split_address
 from vllm_qaic_connector.wire import (
+    LAYOUT_KINDS,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -85,7 +85,7 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
             return f"rank {i} tp_size is {r.tp_size} but the reply has {len(ranks)} ranks"
         if r.tp_rank != i:
             return f"rank {i} has tp_rank {r.tp_rank}: tp_rank must run 0..{len(ranks) - 1}"
-        if r.layout_kind not in LAYOUTS:
+        if r.layout_kind not in LAYOUT_KINDS:
             return f"rank {i} layout_kind {r.layout_kind!r} is unknown"
         try:
             torch_dtype(r.dtype)

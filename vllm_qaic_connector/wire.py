@@ -21,6 +21,11 @@ HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
+# The physical KV layouts peers name (layout.py has one class per name). Here, not there:
+# the proxy reads tickets and must not import torch.
+LAYOUT_KINDS = ("cuda_nhd", "cuda_hnd", "vllm_cpu", "qaic_slot")
+
+
 class TransportEndpoint(msgspec.Struct, frozen=True):
     """Where a rank's staging region can be reached: a shm segment name or NIXL agent metadata."""
 
@@ -297,12 +302,10 @@ def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:
 
 
 def _remote_prefill_problem(p: RemotePrefill) -> str | None:
-    from vllm_qaic_connector.layout import LAYOUTS
-
     checks = [
         (p.num_tokens > 0, f"num_tokens must be > 0, got {p.num_tokens}"),
         (p.staging_offset >= 0, f"staging_offset must be >= 0, got {p.staging_offset}"),
-        (p.staged_layout in LAYOUTS, f"staged_layout {p.staged_layout!r} is unknown"),
+        (p.staged_layout in LAYOUT_KINDS, f"staged_layout {p.staged_layout!r} is unknown"),
         (p.staged_block_size > 0, f"staged_block_size must be > 0, got {p.staged_block_size}"),
         (p.generation > 0, f"generation must be > 0, got {p.generation}"),
         (HASH_RE.fullmatch(p.prompt_hash), "prompt_hash must be 32 lowercase hex digits"),
