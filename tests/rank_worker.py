@@ -12,7 +12,7 @@ import torch
 from vllm_qaic_connector import request_saves, worker_side
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv_groups import KVGroup
-from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.layout import KVGeometry, VllmPagedLayout, gather_tokens, get_layout
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.this_rank import RankIdentity
@@ -24,8 +24,41 @@ HEAD, LAYERS, NUM_BLOCKS = 32, 2, 24
 
 def plain(kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Any, Any]]:
     # numpy crosses the queue by value; torch tensors would go by shared-memory handle,
-    # which dies with this process.
-    return [(k.numpy().copy(), v.numpy().copy()) for k, v in kv_per_layer]
+    # which dies with this process. As bytes: numpy has no bf16 or fp8.
+    return [(as_bytes(k), as_bytes(v)) for k, v in kv_per_layer]
+
+
+def as_bytes(t: torch.Tensor) -> Any:
+    return t.contiguous().view(torch.uint8).numpy().copy()
+
+
+def vllm_kv_caches(
+    kind: str, geo: KVGeometry, layers: int, num_blocks: int, gen: torch.Generator
+) -> list[torch.Tensor]:
+    """Per-layer caches exactly as a vLLM 0.32 engine builds them for ``kind``: one raw
+    allocation, strides from vLLM's layout math, views from `create_kv_cache_views`."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    layout = KVCacheLayout[kind]
+    spec = FullAttentionSpec(
+        block_size=geo.block_size, num_kv_heads=geo.num_heads, head_size=geo.head_size,
+        dtype=geo.dtype,
+    )  # fmt: skip
+    layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout)
+    size = layers * num_blocks * spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    where = KVCacheTensor(size, names, layer_stride, block_stride)
+    raw = torch.empty(size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, layout, where)
+    for v in views:  # finite values of every dtype: bytes compare exactly after copies
+        v.copy_(torch.randn(v.shape, generator=gen).to(geo.dtype))
+    return views
 
 
 def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
@@ -36,7 +69,7 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
         len(heads_of_rank(total, tp, rank)),
         args.get("head_size", HEAD),
         args["block"],
-        torch.float32,
+        getattr(torch, args.get("dtype", "float32")),
     )
     w = WorkerSide(
         parse_config(args["extra"]),
@@ -46,10 +79,12 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
     )
     kind = get_layout(args["layout"])
     gen = torch.Generator().manual_seed(seed)
-    # One allocation viewed per layer, as vLLM allocates them (direct reads need that).
-    shape = (LAYERS, *kind.physical_shape(NUM_BLOCKS, geo))
-    backing = torch.randn(shape, generator=gen)
-    caches = {f"model.layers.{i}.self_attn.attn": backing[i] for i in range(LAYERS)}
+    if isinstance(kind, VllmPagedLayout):
+        views = vllm_kv_caches(args["layout"], geo, LAYERS, NUM_BLOCKS, gen)
+    else:  # one allocation viewed per layer, as vLLM allocates them (direct reads need that)
+        shape = (LAYERS, *kind.physical_shape(NUM_BLOCKS, geo))
+        views = list(torch.randn(shape, generator=gen).to(geo.dtype))
+    caches = {f"model.layers.{i}.self_attn.attn": view for i, view in enumerate(views)}
     w.register_kv_caches(caches, layout=kind)
     return w
 

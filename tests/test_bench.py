@@ -108,12 +108,13 @@ def test_the_check_compares_bytes_not_values(kind: str) -> None:
     """Random bytes hold NaNs, equal to themselves only as bytes; one flipped bit is found."""
     geo = KVGeometry(HEADS, HEAD_DIM, 16, torch.float16)
     layer = get_layout(kind).allocate(5, geo)
-    layer.view(-1).view(torch.int16).copy_(torch.randint(-(2**15), 2**15, (layer.numel(),)))
-    layer.view(-1)[7] = float("nan")
+    memory = layer.as_strided((layer.numel(),), (1,))  # in memory order, whatever the view's
+    memory.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, (layer.numel(),)))
+    memory[7] = float("nan")
     cache = ([get_layout(kind).kv_views(layer, geo)], [3, 0, 4, 1])
     assert bench.mismatches(cache, cache, 50) == []
     other = layer.clone()
-    other.view(-1).view(torch.int16)[-1] ^= 1  # block 4, the last: tokens 32..47 of 50
+    other.as_strided((other.numel(),), (1,)).view(torch.int16)[-1] ^= 1  # block 4: tokens 32..47
     assert bench.mismatches(cache, ([get_layout(kind).kv_views(other, geo)], cache[1]), 50)
 
 

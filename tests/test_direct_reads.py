@@ -51,7 +51,8 @@ def vllm_like_cache(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
     per_layer = torch.Size(shape).numel()
     raw = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
     flat = raw.view(torch.float16)
-    return raw, [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
+    layers = [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
+    return raw, [layout.layer_view(t) for t in layers]
 
 
 def test_block_runs_merge_blocks_consecutive_on_both_sides():
@@ -63,7 +64,7 @@ def test_layers_of_separate_storages_are_not_shared():
     assert share_kv_cache([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_nhd", "cuda_hnd"])
+@pytest.mark.parametrize("kind", ["vllm_cpu", "LBNHC", "LBHNC"])
 def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_path):
     """Moved into shm in place: vLLM's views of the cache (made before the move) write into
     it, and a second process maps it through /proc and copies the blocks it was named."""
@@ -101,7 +102,7 @@ torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), 
     assert nbytes == LAYERS * 10 * GEO.bytes_per_block
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_nhd"])
+@pytest.mark.parametrize("kind", ["vllm_cpu", "LBNHC"])
 @pytest.mark.parametrize("layers", [1, LAYERS])
 def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     """Out of the mapped cache (16-token blocks) into HND 8-token blocks, from a token
@@ -113,7 +114,7 @@ def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     for t in prefill:
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
     src_blocks = torch.randperm(BLOCKS, generator=gen)[:10].tolist()
-    ours, hnd = KVGeometry(2, 32, 8, torch.float16), get_layout("cuda_hnd")
+    ours, hnd = KVGeometry(2, 32, 8, torch.float16), get_layout("LBHNC")
     decode = [hnd.kv_views(hnd.allocate(24, ours), ours) for _ in range(layers)]
     dst_blocks = torch.randperm(24, generator=gen)[:19].tolist()
     reader = DirectReader(CopyPool())
@@ -222,7 +223,7 @@ def test_direct_reads_need_one_tp_one_host_and_over_nixl_one_format():
     assert direct_problem(prefill, decode, 1) is None
     assert "does not share" in str(direct_problem(rank_meta(), decode, 1))
     # Over shm the decode's copy converts: another block size or layout still reads directly.
-    other_format = msgspec.structs.replace(decode, block_size=32, layout_kind="cuda_hnd")
+    other_format = msgspec.structs.replace(decode, block_size=32, layout_kind="LBHNC")
     assert direct_problem(prefill, other_format, 1) is None
     assert "TP sizes differ" in str(direct_problem(prefill, decode, 2))
     other = msgspec.structs.replace(decode, host="another-boot|pid:[1]|0")
@@ -238,7 +239,7 @@ def test_direct_reads_need_one_tp_one_host_and_over_nixl_one_format():
     assert "block sizes differ" in str(direct_problem(nixl_prefill, nixl_other, 1))
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "cuda_hnd"])
+@pytest.mark.parametrize("kind", ["vllm_cpu", "LBHNC"])
 def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
     transfer of whole blocks (adjacent ones merged) from one into the other over UCX."""

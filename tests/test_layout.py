@@ -7,8 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.rank_worker import vllm_kv_caches
 from vllm_qaic_connector.layout import (
     LAYOUTS,
+    VLLM_ORDERS,
     ByteRun,
     HeadRange,
     KVGeometry,
@@ -64,20 +66,35 @@ def test_cpu_view_rejects_natural_k_reading():
     assert not torch.equal(naive_k, key.transpose(0, 1))
 
 
-@pytest.mark.parametrize("kind", ["cuda_nhd", "cuda_hnd"])
-def test_cuda_views_index_the_documented_shape(kind):
-    layer, g = filled(kind, 16, 3)
-    k, v = get_layout(kind).kv_views(layer, g)
-    b, h, t = 2, 1, 5
-    if kind == "cuda_nhd":  # [2, nb, B, H, D]
-        assert torch.equal(k[b, h, t], layer[0, b, t, h]) and torch.equal(
-            v[b, h, t], layer[1, b, t, h]
-        )
-    else:  # [2, nb, H, B, D]
-        assert torch.equal(k[b, h, t], layer[0, b, h, t]) and torch.equal(
-            v[b, h, t], layer[1, b, h, t]
-        )
-    assert k.data_ptr() == layer.data_ptr()  # a view, not a copy
+def test_vllm_layouts_are_vllms_own():
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    assert {m.name: m.value for m in KVCacheLayout} == VLLM_ORDERS
+    for m in KVCacheLayout:
+        assert type(get_layout(m.name)).layer_order() == m.layer_view_order
+    assert get_layout("cuda_nhd") is get_layout("NHD") is get_layout("LBNHC")  # vLLM's aliases
+    assert get_layout("cuda_hnd") is get_layout("HND") is get_layout("LBHNC")
+
+
+@pytest.mark.parametrize("kind", sorted(VLLM_ORDERS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn])
+def test_vllm_views_read_what_vllms_attention_reads(kind, dtype):
+    """Our K and V of the views `create_kv_cache_views` builds are FlashAttention's
+    (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), and a staged layer laid out by
+    `from_bytes` has the strides vLLM gives that layout's layers."""
+    g = KVGeometry(num_heads=4, head_size=HEAD, block_size=16, dtype=dtype)
+    views = vllm_kv_caches(kind, g, 3, 5, torch.Generator().manual_seed(0))
+    layout = get_layout(kind)
+    for view in views:
+        k, v = layout.kv_views(view, g)
+        fa_k, fa_v = view.transpose(1, 2).split(HEAD, dim=-1)  # [blocks, tokens, heads, D]
+        assert k.data_ptr() == view.data_ptr()  # a view, not a copy
+        assert torch.equal(k.view(torch.uint8), fa_k.transpose(1, 2).view(torch.uint8))
+        assert torch.equal(v.view(torch.uint8), fa_v.transpose(1, 2).view(torch.uint8))
+    staged = layout.from_bytes(torch.zeros(5 * g.bytes_per_block, dtype=torch.uint8), 5, g)
+    if VLLM_ORDERS[kind][0] == 0:  # layer-compact: a layer alone is laid out as in vLLM
+        assert staged.stride() == views[0].stride()
+    assert staged.shape == views[0].shape
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))

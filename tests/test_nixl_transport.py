@@ -265,7 +265,7 @@ def test_a_worker_registers_only_its_staging_so_its_kv_cache_cannot_be_read():
     caches, so a peer that knows a KV cache's address still cannot READ it."""
     args = {"engine": f"nx{PID}", "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
     extra = {"transport": "nixl", "staging_bytes": 1 << 20}
-    worker = make_worker({**args, "layout": "cuda_nhd", "extra": extra}, seed=0)
+    worker = make_worker({**args, "layout": "LBNHC", "extra": extra}, seed=0)
     reader = NixlTransport(f"qaic_reader_{PID}_kv", 1 << 16, timeout_s=10.0)
     try:
         own = worker.transport

@@ -284,7 +284,7 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
     """The proxy names the decode; the prefill handshakes with it (without blocking the
     engine) and stages in the decode's layout and block size."""
     dec_side = decode.connector.scheduler
-    dec_meta = msgspec_replace(rank_meta(engine_id="dec"), block_size=64, layout_kind="cuda_hnd")
+    dec_meta = msgspec_replace(rank_meta(engine_id="dec"), block_size=64, layout_kind="LBHNC")
     dec_side.set_rank_metadata([dec_meta])
     sched = make_scheduler("kv_producer", BS)
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
@@ -305,10 +305,10 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
                 break
             time.sleep(0.01)
         assert spec is not None
-        assert (spec.layout_kind, spec.block_size) == ("cuda_hnd", 64)
+        assert (spec.layout_kind, spec.block_size) == ("LBHNC", 64)
         assert len(spec.block_ids[0]) == 5  # the prefill's own 16-token blocks
         params = params_of(outputs, "t1")
-        assert params["staged_layout"] == "cuda_hnd" and params["staged_block_size"] == 64
+        assert params["staged_layout"] == "LBHNC" and params["staged_block_size"] == 64
     finally:
         sched.connector.shutdown()
 

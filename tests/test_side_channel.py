@@ -202,7 +202,7 @@ def test_check_ranks_accepts_valid_and_names_the_bad_field():
         "endpoint.size must be >= 0, got -1": [rank(endpoint=TransportEndpoint("shm", "a", -1))],
         "rank 1 engine_id 'other' differs": second(engine_id="other"),
         "rank 1 block_size 32 differs": second(block_size=32),
-        "rank 1 layout_kind 'cuda_nhd' differs": second(layout_kind="cuda_nhd"),
+        "rank 1 layout_kind 'LBNHC' differs": second(layout_kind="LBNHC"),
         "rank 1 num_layers 3 differs": second(num_layers=3),
         "rank 1 head_size 64 differs": second(head_size=64),
     }

@@ -74,6 +74,10 @@ def test_block_ranges_copy_exactly_the_named_blocks_of_every_layout(kind):
     def extents(t: torch.Tensor) -> BlockExtents:
         return BlockExtents.of(t.shape, t.stride(), layout.block_dim)
 
+    if kind == "LHBNC":  # heads outermost: a block is H runs, never copied whole
+        with pytest.raises(ValueError, match="has gaps"):
+            extents(src)
+        return
     frm, to, sizes = block_ranges(extents(src), extents(dst), runs, src.element_size())
     assert len(sizes) == 4 * len(extents(src).planes)  # a range per run and plane
     copied = stream_copy.copy_ranges(frm + src.data_ptr(), to + dst.data_ptr(), sizes)
@@ -177,7 +181,7 @@ def test_vllm_cpu_keys_are_transposed_natively_to_and_from_a_slot(into_cpu):
 
 def test_block_ids_outside_the_cache_are_refused_before_a_native_copy():
     geo = KVGeometry(num_heads=2, head_size=128, block_size=16, dtype=torch.float16)
-    hnd = get_layout("cuda_hnd")
+    hnd = get_layout("LBHNC")
     src, dst = hnd.kv_views(hnd.allocate(4, geo), geo), hnd.kv_views(hnd.allocate(4, geo), geo)
     with pytest.raises(IndexError, match="outside 0..3"):
         layout.copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)

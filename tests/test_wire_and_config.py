@@ -53,7 +53,7 @@ def test_incompatible_peer_names_the_field(field, value):
 
 
 def test_negotiated_fields_stay_out_of_the_hash():
-    other = rank_meta(block_size=64, layout_kind="cuda_hnd", tp_size=2, tp_rank=1)
+    other = rank_meta(block_size=64, layout_kind="LBHNC", tp_size=2, tp_rank=1)
     assert incompatibility(rank_meta(), other) is None
 
 

@@ -69,6 +69,7 @@ def run_handoff(
     window=0,
     async_saves=True,
     idle=False,
+    dtype="float32",
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -92,6 +93,7 @@ def run_handoff(
             extra={"transport": transport, "async_saves": async_saves},
             save=save,
             window=window,
+            dtype=dtype,
         ),
     )
     released: list[str] = []
@@ -135,6 +137,7 @@ def run_handoff(
             head_size=d_head_size,
             window=window,
             idle=idle,
+            dtype=dtype,
         ),
     )
     claimed = tokens_to_load(num_tokens, d_groups)
@@ -178,10 +181,10 @@ def full_heads(results, total_heads, p_tp, layer, kv):
 
 CASES = [
     # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, saves off the step
-    (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, True),
-    (4, 4, 2, "cuda_hnd", 16, "vllm_cpu", 64, 97, True),
+    (4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, True),
+    (4, 4, 2, "LBHNC", 16, "vllm_cpu", 64, 97, True),
     (2, 4, 1, "vllm_cpu", 64, "vllm_cpu", 32, 130, False),  # GQA: heads replicated over prefill
-    (4, 1, 2, "cuda_nhd", 128, "qaic_slot", 256, 200, True),
+    (4, 1, 2, "LBNHC", 128, "qaic_slot", 256, 200, True),
 ]
 
 
@@ -206,6 +209,31 @@ def test_tp_handoff_bytes_match(case):
         # Each head once: a head replicated over prefill ranks is not read twice.
         assert out["stats"]["bytes_copied"] == 2 * LAYERS * n * len(mine) * HEAD * 4
     assert released.count("r1") == d_tp  # every decode rank acknowledged
+
+
+VLLM_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+# vLLM's KV cache dtypes (fp8 as its CPU backend allows it); a pair's dtype and block sizes
+# rotate with it, so every layout meets every other, each dtype and a re-blocking.
+VLLM_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
+VLLM_PAIRS = [
+    (src, dst, VLLM_DTYPES[(i + j) % 3], (16, 32, 64)[i % 3], (16, 32, 64)[(i + 2 * j) % 3])
+    for i, src in enumerate(VLLM_LAYOUTS)
+    for j, dst in enumerate((*VLLM_LAYOUTS, "vllm_cpu", "qaic_slot"))
+]
+
+
+@pytest.mark.parametrize("pair", VLLM_PAIRS, ids=lambda c: f"{c[0]}{c[3]}-to-{c[1]}{c[4]}-{c[2]}")
+def test_vllm_layouts_move_byte_exactly_between_every_pair(pair):
+    """Caches built by vLLM's own `create_kv_cache_views` for each of its six layouts,
+    registered through the real worker half (prefill TP 2, decode TP 1), moved over shm."""
+    src, dst, dtype, p_block, d_block = pair
+    results, outs, _ = run_handoff(4, 1, 1, src, p_block, dst, d_block, 97, dtype=dtype)
+    assert all(r["unchanged"] and r["meta"].layout_kind == src for r in results)
+    [out] = outs
+    assert out["done"] == {"d1"} and out["errors"] == set()
+    for layer in range(2):
+        for kv in range(2):
+            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 1, layer, kv))
 
 
 @pytest.mark.parametrize("transport", ["shm", "nixl"])
@@ -241,14 +269,12 @@ def test_incompatible_peer_is_refused_and_blocks_reported():
 
 def test_nixl_handoff_acknowledged_by_notification():
     """Over NIXL the decode's READ carries its acknowledgement; no side-channel release."""
-    results, outs, acks = run_handoff(
-        4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, transport="nixl"
-    )
+    results, outs, acks = run_handoff(4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, transport="nixl")
     out = outs[0]
     assert out["done"] == {"d1"} and out["errors"] == set()
     for layer in range(2):
         for kv in range(2):
-            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 2, layer, kv))
+            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 1, layer, kv))
     assert acks == ["r1@0/1"]  # from both prefill ranks' agents, one reader rank
 
 
@@ -289,7 +315,7 @@ def twins() -> Iterator[list]:
         for seed in range(2):
             args = {"engine": ENGINE, "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
             extra = {"transport": "shm", "staging_bytes": 1 << 20}
-            made.append(make_worker({**args, "layout": "cuda_nhd", "extra": extra}, seed))
+            made.append(make_worker({**args, "layout": "LBNHC", "extra": extra}, seed))
     finally:
         os.umask(old)
     yield made
@@ -368,7 +394,7 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_
     pytest.importorskip("nixl")
     args = {"engine": f"reg{os.getpid()}", "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
     extra = {"transport": "nixl", "staging_bytes": 1 << 20, "nixl_direct_reads": nixl_direct_reads}
-    w = make_worker({**args, "layout": "cuda_nhd", "extra": extra}, 0)
+    w = make_worker({**args, "layout": "LBNHC", "extra": extra}, 0)
     try:
         transport = w.transport
         staging = transport.staging
@@ -394,7 +420,7 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_
     [
         # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, window, transport,
         # first token the decode computes itself (a local prefix-cache hit)
-        (4, 2, 1, "vllm_cpu", 32, "cuda_nhd", 16, 150, 40, "shm", 0),
+        (4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, 40, "shm", 0),
         (4, 1, 2, "vllm_cpu", 64, "vllm_cpu", 32, 190, 50, "nixl", 0),
         (4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 200, 64, "shm", 160),
     ],

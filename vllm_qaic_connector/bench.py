@@ -67,7 +67,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 Cache = tuple[list[KV], list[int]]  # canonical views of each layer, the request's block ids
 Row = dict[str, Any]
 Fmt = tuple[str, int]  # layout kind, block size (0: all the tokens in one block, a QAIC slot)
-HND16, NHD64, CPU128, SLOT = ("cuda_hnd", 16), ("cuda_nhd", 64), ("vllm_cpu", 128), ("qaic_slot", 0)
+HND16, NHD64, CPU128, SLOT = ("LBHNC", 16), ("LBNHC", 64), ("vllm_cpu", 128), ("qaic_slot", 0)
 GENERATION = 0x5EED_0001  # the staged request's ticket
 QUICK_TOKENS, DEFAULT_TOKENS = [512, 1024, 2048], [1024, 2048, 4096, 8192, 16384, 32768]
 
@@ -138,12 +138,13 @@ def layers_of(
     """``kv_cache``'s physical layer tensors: one allocation, as vLLM makes it."""
     geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
     nb = blocks_for_tokens(n, geo.block_size)
-    layers = list(torch.zeros((shape.layers, *layout.physical_shape(nb, geo)), dtype=geo.dtype))
+    physical = list(torch.zeros((shape.layers, *layout.physical_shape(nb, geo)), dtype=geo.dtype))
     if fill:
-        size = layers[0].numel() * geo.dtype.itemsize
+        size = physical[0].numel() * geo.dtype.itemsize
         pool = torch.randint(0, 256, (size + shape.layers,), dtype=torch.uint8, generator=gen)
-        for i, t in enumerate(layers):
+        for i, t in enumerate(physical):
             t.view(-1).view(torch.uint8).copy_(pool[i : i + size])
+    layers = [layout.layer_view(t) for t in physical]
     return layers, torch.randperm(nb, generator=gen).tolist()
 
 

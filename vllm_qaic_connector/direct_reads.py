@@ -37,6 +37,7 @@ from vllm_qaic_connector.layout import (
     block_runs,
 )
 from vllm_qaic_connector.stream_copy import copy_ranges
+from vllm_qaic_connector.this_rank import LocalCache
 from vllm_qaic_connector.transports.base import KVTransport
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.transports.shm import SHM_DIR
@@ -66,6 +67,16 @@ def backing(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
     ):
         return None
     return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+
+def dense_blocks(cache: LocalCache) -> bool:
+    """Whether each block of the cache's layers is one run of memory."""
+    layer = cache.tensors[0]
+    try:
+        BlockExtents.of(layer.shape, layer.stride(), cache.layout.block_dim)
+    except ValueError:
+        return False
+    return True
 
 
 def _described(layers: Sequence[torch.Tensor], size: int, **where: Any) -> SharedCache:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from vllm_qaic_connector.stream_copy import NATIVE, BlockRows, BlockTiles
-from vllm_qaic_connector.wire import LAYOUT_KINDS
+from vllm_qaic_connector.wire import LAYOUT_ALIASES, LAYOUT_KINDS
 
 
 @dataclass(frozen=True)
@@ -50,36 +50,59 @@ class KVLayout(ABC):
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided canonical K and V views ``[blocks, heads, block_tokens, head_dim]``."""
 
+    def layer_view(self, physical: torch.Tensor) -> torch.Tensor:
+        """A layer as `kv_views` (and vLLM) read it, from its tensor in memory order
+        (`physical_shape`); no copy."""
+        return physical
+
     def allocate(self, num_blocks: int, geo: KVGeometry) -> torch.Tensor:
-        return torch.zeros(self.physical_shape(num_blocks, geo), dtype=geo.dtype)
+        return self.layer_view(torch.zeros(self.physical_shape(num_blocks, geo), dtype=geo.dtype))
 
     def from_bytes(self, buf: torch.Tensor, num_blocks: int, geo: KVGeometry) -> torch.Tensor:
         """Interpret a flat uint8 tensor as one layer of ``num_blocks`` blocks (no copy)."""
-        return buf.view(geo.dtype).view(self.physical_shape(num_blocks, geo))
+        return self.layer_view(buf.view(geo.dtype).view(self.physical_shape(num_blocks, geo)))
 
 
-class CudaNHDLayout(KVLayout):
-    """vLLM CUDA backends, ``[2, num_blocks, B, H, D]``."""
+class VllmPagedLayout(KVLayout):
+    """vLLM's own layouts (0.32, `KVCacheLayout`, RFC #42082): a layer is the logical view
+    ``[blocks, H, block_tokens, C]`` that `create_kv_cache_views` builds, C a token's K then
+    V (``2 * head_dim``), whatever the physical order; the order only decides the strides.
 
-    kind = "cuda_nhd"
+    A cross-layer order (block outermost, every layer's page of a block side by side) has
+    the per-layer order of its layer-compact twin: a staged region of it is laid out so.
+    """
+
+    stride_order: ClassVar[tuple[int, ...]]  # vLLM's permutation of [L, B, H, N, C]
+    block_dim = 0
+
+    @classmethod
+    def layer_order(cls) -> tuple[int, ...]:
+        """Memory order of one layer's four logical dims (vLLM's ``layer_view_order``)."""
+        return tuple(i - 1 for i in cls.stride_order if i != 0)
 
     def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
-        return (2, num_blocks, geo.block_size, geo.num_heads, geo.head_size)
+        logical = (num_blocks, geo.num_heads, geo.block_size, 2 * geo.head_size)
+        return tuple(logical[i] for i in self.layer_order())
+
+    def layer_view(self, physical: torch.Tensor) -> torch.Tensor:
+        order = self.layer_order()
+        return physical.permute(tuple(order.index(i) for i in range(4)))
 
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer[0].permute(0, 2, 1, 3), layer[1].permute(0, 2, 1, 3)
+        return layer[..., : geo.head_size], layer[..., geo.head_size :]
 
 
-class CudaHNDLayout(KVLayout):
-    """vLLM CUDA backends with ``VLLM_KV_CACHE_LAYOUT=HND``, ``[2, num_blocks, H, B, D]``."""
+def _vllm_layout(name: str, order: tuple[int, ...]) -> type[VllmPagedLayout]:
+    doc = f"vLLM's ``{name}``: ``[L, B, H, N, C]`` stored in the order {order}."
+    attrs = {"kind": name, "stride_order": order, "__doc__": doc}
+    return type(f"Vllm{name}Layout", (VllmPagedLayout,), attrs)
 
-    kind = "cuda_hnd"
 
-    def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
-        return (2, num_blocks, geo.num_heads, geo.block_size, geo.head_size)
-
-    def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer[0], layer[1]
+# vLLM's `KVCacheLayout` members (tests check them against the installed vLLM).
+VLLM_ORDERS = {
+    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+}  # fmt: skip
 
 
 class VllmCpuLayout(KVLayout):
@@ -102,25 +125,34 @@ class VllmCpuLayout(KVLayout):
         return packed[:, :, :bs].view(nb, heads, d, bs).transpose(2, 3), packed[:, :, bs:, :]
 
 
-class QaicSlotLayout(CudaHNDLayout):
+class QaicSlotLayout(KVLayout):
     """QAIC retained state: one ``[slots, H, ctx, D]`` tensor per K and per V.
 
     A slot is one block of ``ctx`` tokens. In memory a layer is K buffer then V buffer,
-    ``[2, slots, H, ctx, D]``: the pair of named buffers side by side, which is HND's shape.
+    ``[2, slots, H, ctx, D]``: the pair of named buffers side by side.
     """
 
     kind = "qaic_slot"
 
+    def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
+        return (2, num_blocks, geo.num_heads, geo.block_size, geo.head_size)
 
-LAYOUTS: dict[str, KVLayout] = {
-    cls.kind: cls() for cls in (CudaNHDLayout, CudaHNDLayout, VllmCpuLayout, QaicSlotLayout)
-}
-assert tuple(LAYOUTS) == LAYOUT_KINDS, "wire.LAYOUT_KINDS names every layout, in order"
+    def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer[0], layer[1]
+
+
+_CLASSES: list[type[KVLayout]] = [_vllm_layout(name, order) for name, order in VLLM_ORDERS.items()]
+_CLASSES += [VllmCpuLayout, QaicSlotLayout]
+LAYOUTS: dict[str, KVLayout] = {cls.kind: cls() for cls in _CLASSES}
+if tuple(LAYOUTS) != LAYOUT_KINDS:
+    raise ImportError("wire.LAYOUT_KINDS must name every layout, in order")
 
 
 def get_layout(kind: str) -> KVLayout:
+    """The layout named ``kind``: one of vLLM's names, or an alias (the NHD/HND of vLLM
+    before 0.32 read as vLLM does: LBNHC/LBHNC)."""
     try:
-        return LAYOUTS[kind]
+        return LAYOUTS[LAYOUT_ALIASES.get(kind, kind)]
     except KeyError:
         raise ValueError(f"unknown KV layout {kind!r}; known: {sorted(LAYOUTS)}") from None
 
@@ -465,8 +497,10 @@ class BlockExtents:
     @classmethod
     def of(cls, shape: Sequence[int], strides: Sequence[int], block_dim: int) -> BlockExtents:
         inner = shape[block_dim + 1 :]
-        dense = [math.prod(inner[i + 1 :]) for i in range(len(inner))]
-        if list(strides[block_dim + 1 :]) != dense:
+        # Dense in some order (a vLLM view may list its dims out of memory order).
+        by_stride = sorted(zip(strides[block_dim + 1 :], inner, strict=True))
+        dense = [math.prod(n for _, n in by_stride[:i]) for i in range(len(inner))]
+        if [s for s, _ in by_stride] != dense:
             raise ValueError(f"a block of a {tuple(shape)} layer with strides {strides} has gaps")
         planes = [p * strides[0] for p in range(shape[0])] if block_dim == 1 else [0]
         return cls(tuple(planes), strides[block_dim], math.prod(inner))

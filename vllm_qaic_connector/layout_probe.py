@@ -57,24 +57,18 @@ def verify_vllm_cpu_layout(block_size: int, head_size: int, dtype: torch.dtype) 
         )
 
 
-def detect_layout(tensor: torch.Tensor, geo: KVGeometry) -> KVLayout:
-    """Names the physical layout of a registered KV cache tensor; refuses to guess."""
+def resolved_layout(name: str | None) -> KVLayout:
+    """The layout vLLM resolved for this engine's KV cache (``KVCacheConfig.kv_cache_layout``),
+    never a guess from shapes. vLLM's CPU backend records LBHNC but packs each block its own
+    way (K transposed), which `verify_vllm_cpu_layout` checks."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         return get_layout("vllm_cpu")
-    shape = tuple(tensor.shape)
-    matches = [
-        layout
-        for layout in (get_layout("cuda_nhd"), get_layout("cuda_hnd"))
-        if layout.physical_shape(shape[1] if len(shape) > 1 else 0, geo) == shape
-    ]
-    hint = os.environ.get("VLLM_KV_CACHE_LAYOUT", "").upper()
-    if len(matches) == 2 and hint in ("NHD", "HND"):
-        matches = [get_layout("cuda_" + hint.lower())]
-    if len(matches) != 1:
+    name = name or os.environ.get("VLLM_KV_CACHE_LAYOUT")  # an older vLLM's only record
+    if not name:
         raise RuntimeError(
-            f"cannot tell the layout of a KV cache shaped {shape} (block {geo.block_size}, "
-            f"{geo.num_heads} heads); set VLLM_KV_CACHE_LAYOUT=NHD or HND"
+            "QAICConnector: vLLM did not record a KV cache layout (KVCacheConfig."
+            "kv_cache_layout); this connector needs vLLM >= 0.32, or VLLM_KV_CACHE_LAYOUT set"
         )
-    return matches[0]
+    return get_layout(name)

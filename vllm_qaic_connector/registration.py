@@ -9,7 +9,7 @@ import torch
 
 from vllm_qaic_connector.kv_groups import KVGroup, attention_spec, layer_groups, ordered_layers
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
-from vllm_qaic_connector.layout_probe import detect_layout, verify_vllm_cpu_layout
+from vllm_qaic_connector.layout_probe import resolved_layout, verify_vllm_cpu_layout
 from vllm_qaic_connector.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.this_rank import LocalCache, RankIdentity
 from vllm_qaic_connector.wire import RankMetadata, SharedCache, TransportEndpoint, compat_hash
@@ -60,15 +60,16 @@ def local_cache(
     layer_modules: dict[str, Any],
     layout: KVLayout | None = None,
     verify_cpu_layout: bool = True,
+    layout_name: str | None = None,
 ) -> LocalCache:
-    """The registered caches in layer order, their layout (detected unless given) and, for
-    Mamba layers, their recurrent state."""
+    """The registered caches in layer order, their layout (``layout``, else the one vLLM
+    resolved, ``layout_name``) and, for Mamba layers, their recurrent state."""
     from vllm.model_executor.models.utils import extract_layer_index
 
     state_names = ordered_layers(groups, state=True)
     names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
     tensors = [kv_caches[n] for n in names]
-    layout = layout or detect_layout(tensors[0], geometry)
+    layout = layout or resolved_layout(layout_name)
     if layout.kind == "vllm_cpu" and verify_cpu_layout:
         verify_vllm_cpu_layout(geometry.block_size, geometry.head_size, geometry.dtype)
     state = None

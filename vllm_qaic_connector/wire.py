@@ -16,14 +16,19 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 4: direct reads (RankMetadata.cache, RemotePrefill.block_ids)
+PROTOCOL_VERSION = 5  # 5: vLLM 0.32's layout names (4: direct reads)
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
-# The physical KV layouts peers name (layout.py has one class per name). Here, not there:
-# the proxy reads tickets and must not import torch.
-LAYOUT_KINDS = ("cuda_nhd", "cuda_hnd", "vllm_cpu", "qaic_slot")
+# The physical KV layouts peers name (layout.py has one class per name): vLLM's six
+# `KVCacheLayout` orders, vLLM CPU's packing and the QAIC slots. Here, not there: the
+# proxy reads tickets and must not import torch.
+LAYOUT_KINDS = (
+    "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "vllm_cpu", "qaic_slot",
+)  # fmt: skip
+# Older names, read as vLLM reads its legacy VLLM_KV_CACHE_LAYOUT values.
+LAYOUT_ALIASES = {"cuda_nhd": "LBNHC", "cuda_hnd": "LBHNC", "NHD": "LBNHC", "HND": "LBHNC"}
 
 
 class TransportEndpoint(msgspec.Struct, frozen=True):

@@ -20,6 +20,7 @@ from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.direct_reads import (
     DirectReader,
+    dense_blocks,
     host_identity,
     register_kv_cache,
     share_kv_cache,
@@ -93,6 +94,7 @@ class WorkerSide:
         self.geometry = geometry
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
+        self.layout_name: str | None = None  # the KV cache layout vLLM resolved
         self.transport: KVTransport | None = None
         self.rank_meta: RankMetadata | None = None
         self.incarnation = new_incarnation()
@@ -127,6 +129,7 @@ class WorkerSide:
         identity, geometry = rank_of(vllm_config, kv_cache_config)
         worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
+        worker.layout_name = getattr(kv_cache_config, "kv_cache_layout", None)
         return worker
 
     # --- registration ----------------------------------------------------------------------
@@ -136,7 +139,7 @@ class WorkerSide:
     ) -> None:
         cache = self.cache = local_cache(
             kv_caches, self.identity, self.geometry, self.groups, self.layer_modules, layout,
-            self.cfg.verify_cpu_layout,
+            self.cfg.verify_cpu_layout, self.layout_name,
         )  # fmt: skip
         tensors = cache.tensors
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
@@ -144,7 +147,8 @@ class WorkerSide:
             self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s,
             stages=self.identity.produces,
         )  # fmt: skip
-        one_group = cache.state is None and len(self.groups) <= 1
+        # Direct reads move whole blocks: each must be one dense run (not LHBNC's).
+        one_group = cache.state is None and len(self.groups) <= 1 and dense_blocks(cache)
         if self.cfg.transport == "nixl":  # peers' READs come from the cache or land in it
             direct = one_group and self.cfg.nixl_direct_reads
             shared = register_kv_cache(tensors, transport) if direct else None
