@@ -16,6 +16,9 @@ DECODE_BLOCK_SIZE=${DECODE_BLOCK_SIZE:-128}
 # idle gaps (seconds; the first right after start-up): each timed, from loaded KV, and
 # equal to the aggregated answer. Empty: none.
 LONE_GAPS=${LONE_GAPS-0 2 15}
+# The first may take a fresh decode's first forward (3-5 s here); a model whose own first
+# request is slower (a TP 2 Mamba hybrid: 15 s on a plain vLLM server here) needs more.
+LONE_FIRST_MAX_S=${LONE_FIRST_MAX_S:-10}
 PREFILLER_TP_SIZE=${PREFILLER_TP_SIZE:-1}
 DECODER_TP_SIZE=${DECODER_TP_SIZE:-1}
 # xPyD: the proxy round-robins over every (prefill, decode) pair.
@@ -220,7 +223,7 @@ LONE_ARGS=()
 if [ ${#GAPS[@]} -gt 0 ]; then
   run_prompts lone "http://127.0.0.1:$X_PORT" "$RUN_DIR/lone.json" 0 --offset "$NUM_PROMPTS" \
     --gaps "${GAPS[@]}" --decode-urls "${DECODE_METRICS_URLS[@]}"
-  LONE_ARGS=(--lone "$RUN_DIR/lone.json")
+  LONE_ARGS=(--lone "$RUN_DIR/lone.json" --lone-first-max-s "$LONE_FIRST_MAX_S")
 fi
 # The reference: the prefill instance serves the prompts itself (a plain request leaves its
 # connector idle), salted so that it shares no prefix-cache block with the handoffs. One
