@@ -258,8 +258,8 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
         cache = register_kv_cache(prefill_layers, prefill)
         assert cache is not None and register_kv_cache(decode_layers, decode) is not None
         runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
-        # 6 runs of blocks adjacent on both sides, per plane (K and V; one: vllm_cpu) and layer
-        assert len(runs) == 6 * (1 if kind == "vllm_cpu" else 2) * LAYERS
+        # 6 runs of blocks adjacent on both sides, per layer (K and V share a block in both)
+        assert len(runs) == 6 * LAYERS
         decode.read_into(cache_endpoint(prefill.endpoint(), cache), runs)
     finally:
         decode.close()

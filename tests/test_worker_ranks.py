@@ -219,6 +219,7 @@ VLLM_PAIRS = [
     (src, dst, VLLM_DTYPES[(i + j) % 3], (16, 32, 64)[i % 3], (16, 32, 64)[(i + 2 * j) % 3])
     for i, src in enumerate(VLLM_LAYOUTS)
     for j, dst in enumerate((*VLLM_LAYOUTS, "vllm_cpu", "qaic_slot"))
+    if not (dst == "vllm_cpu" and (i + j) % 3 == 2)  # vLLM's CPU cache op has no fp8
 ]
 
 
@@ -274,7 +275,7 @@ def test_nixl_handoff_acknowledged_by_notification():
     assert out["done"] == {"d1"} and out["errors"] == set()
     for layer in range(2):
         for kv in range(2):
-            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 1, layer, kv))
+            assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 2, layer, kv))
     assert acks == ["r1@0/1"]  # from both prefill ranks' agents, one reader rank
 
 
