@@ -310,8 +310,8 @@ class PrefillHandoffs:
             incarnation=self.ranks[0].incarnation if self.ranks else "",
             generation=spec.generation,
             prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
-            lease_s=self.cfg.lease_s,
-            expires_at=time.time() + self.pool.expires_in(rid),
+            lease_s=round(self.cfg.lease_s, 3),  # whole ms: see ticket_mac
+            expires_at=round(time.time() + self.pool.expires_in(rid), 3),
             group_starts=spec.starts if any(spec.starts) else (),
             block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
         )

@@ -277,8 +277,13 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 
 def ticket_mac(params: RemotePrefill, key: bytes) -> str:
     """The MAC a prefill puts on the params it returns: over every field but the MAC, so an
-    edited engine, request, offset, size, generation, prompt or expiry fails it."""
-    unsigned = msgspec.structs.replace(params, do_remote_prefill=True, ticket_mac="")
+    edited engine, request, offset, size, generation, prompt or expiry fails it. Times count
+    in whole milliseconds (tickets carry them so): a router that re-serialises JSON numbers
+    (vllm-router: floats come back 1 ULP off) leaves the MAC whole."""
+    unsigned = msgspec.structs.replace(
+        params, do_remote_prefill=True, ticket_mac="",
+        lease_s=round(params.lease_s * 1000), expires_at=round(params.expires_at * 1000),
+    )  # fmt: skip
     return _mac(key, b"ticket", _encoder.encode(unsigned)).hex()
 
 
