@@ -520,3 +520,44 @@ def test_expired_ticket_is_a_load_error_and_a_live_one_carries_its_deadline(deco
     loads = {spec.request_id: spec for spec in meta(out).loads}
     assert loads["old"].remote is None and "expired" in loads["old"].error
     assert loads["new"].error is None and loads["new"].holds_until == fresh["expires_at"]
+
+
+def test_a_prefills_error_passed_on_by_a_router_is_a_load_error(decode):
+    """vllm-router copies the prefill's params whole: one that says the handoff failed is
+    a failed load (kv_load_failure_policy decides), not a silent recompute."""
+    params = {"do_remote_prefill": False, "error": "staging pool full (8/8 pages) for 5s"}
+    decode.add_request(make_request("e1", 45, params))
+    out, _ = step(decode)
+    (load,) = meta(out).loads
+    assert load.remote is None and "staging pool full" in load.error
+    assert load.block_ids == tuple(decode.kv_cache_manager.get_block_ids("e1"))
+
+
+def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
+    """A request that waited with a verified ticket (for blocks, in the queue) and was then
+    aborted: the prefill hears at once, instead of holding the staging for lease_s."""
+    from vllm_qaic_connector.config import parse_config
+    from vllm_qaic_connector.decode_loads import DecodeLoads
+    from vllm_qaic_connector.side_channel import SideChannelServer
+    from vllm_qaic_connector.wire import Message, Ok
+
+    released: list[str] = []
+
+    def handle(msg: Message) -> Message:
+        if isinstance(msg, ReleaseRequest):
+            released.extend(msg.request_ids)
+        return Ok()
+
+    server = SideChannelServer("127.0.0.1", 0, handle, None)
+    loads = DecodeLoads(parse_config({}), ())
+    try:
+        req = make_request("w1", 45, remote_params(45, port=server.port))
+        assert loads.claim(req, 0) == (45, True)  # verified: renewed while it waits
+        assert loads.finished("w1") is False  # gone before its load started
+        deadline = time.monotonic() + 10
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert released == ["p1"]
+    finally:
+        loads.close()
+        server.close()

@@ -39,6 +39,8 @@ class DecodeLoads:
         error: str | None = None
         prompt = request.prompt_token_ids or []
         try:
+            if failed := (request.kv_transfer_params or {}).get("error"):
+                raise ValueError(f"the prefill could not hand the KV off: {failed}")
             parsed = parse_remote_prefill(request.kv_transfer_params or {})
             num_tokens = parsed.num_tokens
             unusable = ticket_problem(parsed, self._key)
@@ -108,11 +110,13 @@ class DecodeLoads:
             self.renewer.drop(rid)
 
     def finished(self, request_id: str) -> bool:
-        """Forgets a finished request; True if its load was still running."""
+        """Forgets a finished request; True if its load was still running (the worker
+        releases its staging then), else a ticket never read is released now."""
         self._matched.pop(request_id, None)
         self._pending.pop(request_id, None)
-        self.renewer.drop(request_id)
-        return request_id in self._loading
+        loading = request_id in self._loading
+        (self.renewer.drop if loading else self.renewer.release)(request_id)
+        return loading
 
     def close(self) -> None:
         self.renewer.close()

@@ -13,6 +13,7 @@ so a late copy is a load error, never wrong KV.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -72,11 +73,9 @@ def backing(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def dense_blocks(cache: LocalCache) -> bool:
     """Whether each block of the cache's layers is one run of memory."""
     layer = cache.tensors[0]
-    try:
-        BlockExtents.of(layer.shape, layer.stride(), cache.layout.block_dim)
-    except ValueError:
-        return False
-    return True
+    with contextlib.suppress(ValueError):
+        return bool(BlockExtents.of(layer.shape, layer.stride(), cache.layout.block_dim))
+    return False
 
 
 def _described(layers: Sequence[torch.Tensor], size: int, **where: Any) -> SharedCache:

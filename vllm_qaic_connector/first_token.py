@@ -48,10 +48,9 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
         isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
     )
     seeded = body.get("seed") is not None and body.get("temperature", 1.0) != 0
-    stateful = seeded or body.get("spaces_between_special_tokens") is False
-    ids_streamed = bool(body.get("return_token_ids")) and bool(body.get("stream"))
-    spanning = any(body.get(k) for k in SPANNING)
-    return not chat and one_prompt and not (spanning or stateful or ids_streamed)
+    carried = seeded or body.get("spaces_between_special_tokens") is False  # across it
+    streamed_ids = body.get("return_token_ids") and body.get("stream")
+    return one_prompt and not (chat or carried or streamed_ids or any(map(body.get, SPANNING)))
 
 
 @dataclass(frozen=True)

@@ -72,36 +72,26 @@ class VllmPagedLayout(KVLayout):
     the per-layer order of its layer-compact twin: a staged region of it is laid out so.
     """
 
-    stride_order: ClassVar[tuple[int, ...]]  # vLLM's permutation of [L, B, H, N, C]
+    layer_order: ClassVar[tuple[int, ...]]  # memory order of a layer's [B, H, N, C]
     block_dim = 0
-
-    @classmethod
-    def layer_order(cls) -> tuple[int, ...]:
-        """Memory order of one layer's four logical dims (vLLM's ``layer_view_order``)."""
-        return tuple(i - 1 for i in cls.stride_order if i != 0)
 
     def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
         logical = (num_blocks, geo.num_heads, geo.block_size, 2 * geo.head_size)
-        return tuple(logical[i] for i in self.layer_order())
+        return tuple(logical[i] for i in self.layer_order)
 
     def layer_view(self, physical: torch.Tensor) -> torch.Tensor:
-        order = self.layer_order()
+        order = self.layer_order
         return physical.permute(tuple(order.index(i) for i in range(4)))
 
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         return layer[..., : geo.head_size], layer[..., geo.head_size :]
 
 
-def _vllm_layout(name: str, order: tuple[int, ...]) -> type[VllmPagedLayout]:
-    doc = f"vLLM's ``{name}``: ``[L, B, H, N, C]`` stored in the order {order}."
-    attrs = {"kind": name, "stride_order": order, "__doc__": doc}
-    return type(f"Vllm{name}Layout", (VllmPagedLayout,), attrs)
-
-
-# vLLM's `KVCacheLayout` members (tests check them against the installed vLLM).
+# vLLM's `KVCacheLayout` members, each as the memory order of one layer's [B, H, N, C]
+# (its ``layer_view_order``; tests check them against the installed vLLM).
 VLLM_ORDERS = {
-    "LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
-    "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4),
+    "LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3), "LHBNC": (1, 0, 2, 3),
+    "BLHNC": (0, 1, 2, 3), "BLNHC": (0, 2, 1, 3), "BHLNC": (0, 1, 2, 3),
 }  # fmt: skip
 
 
@@ -141,7 +131,10 @@ class QaicSlotLayout(KVLayout):
         return layer[0], layer[1]
 
 
-_CLASSES: list[type[KVLayout]] = [_vllm_layout(name, order) for name, order in VLLM_ORDERS.items()]
+_CLASSES: list[type[KVLayout]] = [
+    type(f"Vllm{n}Layout", (VllmPagedLayout,), {"kind": n, "layer_order": o})
+    for n, o in VLLM_ORDERS.items()
+]
 _CLASSES += [VllmCpuLayout, QaicSlotLayout]
 LAYOUTS: dict[str, KVLayout] = {cls.kind: cls() for cls in _CLASSES}
 if tuple(LAYOUTS) != LAYOUT_KINDS:

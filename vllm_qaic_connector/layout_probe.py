@@ -7,8 +7,6 @@ in a layout we could not confirm on this machine.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_qaic_connector.layout import (
@@ -65,10 +63,6 @@ def resolved_layout(name: str | None) -> KVLayout:
 
     if current_platform.is_cpu():
         return get_layout("vllm_cpu")
-    name = name or os.environ.get("VLLM_KV_CACHE_LAYOUT")  # an older vLLM's only record
-    if not name:
-        raise RuntimeError(
-            "QAICConnector: vLLM did not record a KV cache layout (KVCacheConfig."
-            "kv_cache_layout); this connector needs vLLM >= 0.32, or VLLM_KV_CACHE_LAYOUT set"
-        )
+    if not name:  # an older vLLM: its [2, blocks, ...] caches are not these layouts
+        raise RuntimeError("QAICConnector needs vLLM >= 0.32 (KVCacheConfig.kv_cache_layout)")
     return get_layout(name)

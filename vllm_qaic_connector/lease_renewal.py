@@ -16,7 +16,7 @@ from collections import defaultdict
 from vllm.logger import init_logger
 
 from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.wire import RemotePrefill, Renewed, RenewRequest
+from vllm_qaic_connector.wire import Message, ReleaseRequest, RemotePrefill, Renewed, RenewRequest
 
 logger = init_logger(f"vllm.{__name__}")
 MIN_PERIOD_S, MAX_PERIOD_S = 0.1, 10.0
@@ -51,6 +51,18 @@ class LeaseRenewer:
             self._wanted.pop(request_id, None)
             self._holds_until.pop(request_id, None)
 
+    def release(self, request_id: str) -> None:
+        """The request is gone before its KV was read (aborted, dropped): the prefill frees
+        its staging now, not at the lease's end (in the background: never the scheduler's
+        wait)."""
+        with self._lock:
+            remote = self._wanted.pop(request_id, None)
+            self._holds_until.pop(request_id, None)
+        if remote is not None:
+            msg = ReleaseRequest([remote.remote_request_id])
+            args = (remote.remote_host, remote.remote_port, msg, self._timeout_s)
+            threading.Thread(target=self._send, args=args, daemon=True).start()
+
     def _period(self) -> float:
         with self._lock:
             shortest = min((r.lease_s for r in self._wanted.values()), default=3 * MAX_PERIOD_S)
@@ -66,15 +78,18 @@ class LeaseRenewer:
             for (host, port), ids in by_peer.items():
                 self._renew(host, port, ids)
 
+    def _send(self, host: str, port: int, msg: Message, timeout: float) -> Message | None:
+        try:
+            return side_channel.call(host, port, msg, self._key, timeout)
+        except ConnectionError as exc:  # its loads fail, or its lease ends, on their own
+            logger.debug("QAICConnector: %s to %s:%d failed: %s", msg, host, port, exc)
+            return None
+
     def _renew(self, host: str, port: int, ids: dict[str, str]) -> None:
         """``ids``: the prefill's request id -> ours."""
         sent = time.time()
         timeout = min(self._timeout_s, self._period())
-        try:
-            reply = side_channel.call(host, port, RenewRequest(list(ids)), self._key, timeout)
-        except ConnectionError as exc:  # its loads fail on their own; keep going
-            logger.debug("QAICConnector: renewal at %s:%d failed: %s", host, port, exc)
-            return
+        reply = self._send(host, port, RenewRequest(list(ids)), timeout)
         if not isinstance(reply, Renewed):
             return
         with self._lock:

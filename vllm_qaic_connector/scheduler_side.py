@@ -134,7 +134,9 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self.is_producer:
             return self.handoffs.admit(request, params)
-        if not params or not params.get("do_remote_prefill"):
+        # A prefill that could not stage says so in the params; a router passes them on
+        # as they are: a failed load, for kv_load_failure_policy, never a silent recompute.
+        if not params or not (params.get("do_remote_prefill") or params.get("error")):
             return 0, False
         return self.loads.claim(request, num_computed_tokens)
 
