@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.rank_worker import vllm_kv_caches
+from vllm_qaic_connector.byte_runs import ByteRun, merge_runs, plan_slot_reads
 from vllm_qaic_connector.layout import (
     LAYOUTS,
     VLLM_ORDERS,
-    ByteRun,
     HeadRange,
     KVGeometry,
     StagingFormat,
@@ -19,8 +19,6 @@ from vllm_qaic_connector.layout import (
     copy_tokens,
     gather_tokens,
     get_layout,
-    merge_runs,
-    plan_slot_reads,
     plan_token_runs,
 )
 from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op

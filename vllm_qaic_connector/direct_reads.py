@@ -28,15 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm_qaic_connector.byte_runs import BlockExtents, ByteRun, block_ranges
 from vllm_qaic_connector.copy_pool import CopyPool
-from vllm_qaic_connector.layout import (
-    BlockExtents,
-    ByteRun,
-    KVGeometry,
-    KVLayout,
-    block_ranges,
-    block_runs,
-)
+from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs
 from vllm_qaic_connector.stream_copy import copy_ranges
 from vllm_qaic_connector.this_rank import LocalCache
 from vllm_qaic_connector.transports.base import KVTransport

@@ -9,7 +9,8 @@ READ is the DMA, with no receive buffer and no host copy, and other slots are ne
 
 from __future__ import annotations
 
-from vllm_qaic_connector.layout import ByteRun, KVGeometry, plan_slot_reads
+from vllm_qaic_connector.byte_runs import ByteRun, plan_slot_reads
+from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.qaic_target import SlotTarget
 from vllm_qaic_connector.tickets import HEADER_BYTES, checked_region
 from vllm_qaic_connector.transports.nixl import NixlTransport

@@ -80,7 +80,7 @@ def _run(
 
 def copy_ranges(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> int:
     """Copies ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``; returns the bytes.
-    The caller vouches for every address (see `layout.block_ranges`)."""
+    The caller vouches for every address (see `byte_runs.block_ranges`)."""
     src, dst, nbytes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (src, dst, nbytes))
     if _native is not None:
         _native(dst, src, nbytes)

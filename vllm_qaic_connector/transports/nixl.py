@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_qaic_connector.layout import ByteRun
+from vllm_qaic_connector.byte_runs import ByteRun
 from vllm_qaic_connector.stream_copy import copy_threads
 from vllm_qaic_connector.transports.base import KVTransport, populate
 from vllm_qaic_connector.wire import TransportEndpoint
