@@ -194,6 +194,8 @@ def verdict(args: argparse.Namespace) -> int:
     disagg = json.loads(Path(args.disagg).read_text())
     agg = json.loads(Path(args.agg).read_text())
     agg, agg_lone = agg[: len(disagg)], agg[len(disagg) :]  # the reference of both runs
+    lone = json.loads(Path(args.lone).read_text()) if args.lone else []
+    handed = disagg + lone  # every request the decodes loaded for (their counters are totals)
     per_decode = [Path(p).read_text() for p in args.decode_metrics]
     metrics = "\n".join(per_decode)
     failures = []
@@ -215,18 +217,19 @@ def verdict(args: argparse.Namespace) -> int:
     local_hits = metric(metrics, "vllm:prefix_cache_hits_total")
     moved = metric(metrics, "vllm:qaic_kv_bytes_copied_total")
     direct = metric(metrics, "vllm:qaic_kv_direct_reads_total")
-    prompt_tokens = sum(r.get("prompt_tokens", 0) for r in disagg)
+    prompt_tokens = sum(r.get("prompt_tokens", 0) for r in handed)
     print(
         f"decode connector: loaded_requests={loaded_req:.0f} loaded_tokens={loaded_tok:.0f} "
         f"load_failures={failed:.0f} direct_reads={direct:.0f} local_prefix_hits={local_hits:.0f} "
-        f"prompt_tokens={prompt_tokens} bytes_per_request={moved / max(loaded_req, 1):.0f} "
+        f"prompt_tokens={prompt_tokens} handoffs={len(handed)} "
+        f"bytes_per_request={moved / max(loaded_req, 1):.0f} "
         f"bytes_per_loaded_token={moved / max(loaded_tok, 1):.1f}"
     )
-    if loaded_req < len(disagg):
-        failures.append(f"decode loaded KV for {loaded_req:.0f} of {len(disagg)} requests")
+    if loaded_req < len(handed):
+        failures.append(f"decode loaded KV for {loaded_req:.0f} of {len(handed)} requests")
     # Every prompt token except the one the decode recomputes came over the wire, unless a
     # local prefix hit already had it.
-    if loaded_tok + local_hits < prompt_tokens - len(disagg) or loaded_tok <= local_hits:
+    if loaded_tok + local_hits < prompt_tokens - len(handed) or loaded_tok <= local_hits:
         failures.append(
             f"loaded tokens ({loaded_tok:.0f}) do not cover the prompts "
             f"({prompt_tokens}) beyond local prefix hits ({local_hits:.0f})"
@@ -239,7 +242,6 @@ def verdict(args: argparse.Namespace) -> int:
             if sources < args.expect_peers:
                 failures.append(f"decode {i} loaded from {sources} of {args.expect_peers} prefills")
     if args.lone:
-        lone = json.loads(Path(args.lone).read_text())
         failures += lone_failures(lone, agg_lone, args.lone_first_max_s)
     for f in failures:
         print(f"FAIL: {f}")

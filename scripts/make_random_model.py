@@ -1,8 +1,9 @@
 """Writes a random-weights model (no training) with its own byte-level BPE tokenizer.
 
 Random models meet what the shipped copy model never does: a tokenizer trained here on
-multilingual text (about 700 tokens, so many tokens hold part of a character and a
-generated token is often not whole UTF-8 text), another geometry, another architecture.
+multilingual text (495 tokens: the corpus runs out of merges before VOCAB_SIZE, so many
+tokens hold part of a character and a generated token is often not whole UTF-8 text),
+another geometry, another architecture.
 The output layer is scaled (``--sharpen``) so that the top logit leads by far more than
 float32 rounding: two servers that compute the same KV agree token for token, and one that
 computes other KV does not.

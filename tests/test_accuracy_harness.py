@@ -208,9 +208,10 @@ def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
         LONE_FIRST_MAX_S="40",  # this model's first request on a fresh TP 2 vLLM: 15 s
     )  # fmt: skip
     assert rc == 0 and float(last_line(out).group(3)) == 100.0
-    loads = re.search(r"loaded_tokens=(\d+) .*prompt_tokens=(\d+)", out)
+    loads = re.search(r"loaded_tokens=(\d+) .*prompt_tokens=(\d+) handoffs=(\d+)", out)
     assert loads, out[-2000:]
-    assert int(loads.group(1)) == int(loads.group(2)) - 8  # one token short per prompt
+    assert int(loads.group(3)) == 9  # 8 prompts, and the lone request before them
+    assert int(loads.group(1)) == int(loads.group(2)) - 9  # one token short per prompt
 
 
 def test_mamba_hybrid_model_negative_control_fails(mamba_model):
