@@ -29,12 +29,13 @@ def plain(kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[A
 
 
 def as_bytes(t: torch.Tensor) -> Any:
-    return t.contiguous().view(torch.uint8).numpy().copy()
+    return t.contiguous().view(torch.uint8).cpu().numpy().copy()
 
 
 def vllm_kv_caches(
-    kind: str, geo: KVGeometry, layers: int, num_blocks: int, gen: torch.Generator
-) -> list[torch.Tensor]:
+    kind: str, geo: KVGeometry, layers: int, num_blocks: int, gen: torch.Generator,
+    device: str = "cpu",
+) -> list[torch.Tensor]:  # fmt: skip
     """Per-layer caches exactly as a vLLM 0.32 engine builds them for ``kind``: one raw
     allocation, strides from vLLM's layout math, views from `create_kv_cache_views`."""
     from vllm.v1.kv_cache_interface import (
@@ -54,7 +55,7 @@ def vllm_kv_caches(
     size = layers * num_blocks * spec.page_size_bytes
     names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
     where = KVCacheTensor(size, names, layer_stride, block_stride)
-    raw = torch.empty(size, dtype=torch.int8)
+    raw = torch.empty(size, dtype=torch.int8, device=device)
     views = create_kv_cache_views(raw, spec, num_blocks, layout, where)
     for v in views:  # finite values of every dtype: bytes compare exactly after copies
         v.copy_(torch.randn(v.shape, generator=gen).to(geo.dtype))
@@ -77,13 +78,13 @@ def make_worker(args: dict[str, Any], seed: int) -> WorkerSide:
         geo,
         hybrid_groups(args["block"], args.get("window", 0)),
     )
-    kind = get_layout(args["layout"])
+    kind, device = get_layout(args["layout"]), args.get("device", "cpu")
     gen = torch.Generator().manual_seed(seed)
     if isinstance(kind, VllmPagedLayout):
-        views = vllm_kv_caches(args["layout"], geo, LAYERS, NUM_BLOCKS, gen)
+        views = vllm_kv_caches(args["layout"], geo, LAYERS, NUM_BLOCKS, gen, device)
     else:  # one allocation viewed per layer, as vLLM allocates them (direct reads need that)
         shape = (LAYERS, *kind.physical_shape(NUM_BLOCKS, geo))
-        views = list(torch.randn(shape, generator=gen).to(geo.dtype))
+        views = list(torch.randn(shape, generator=gen).to(geo.dtype).to(device))
     caches = {f"model.layers.{i}.self_attn.attn": view for i, view in enumerate(views)}
     w.register_kv_caches(caches, layout=kind)
     return w

@@ -70,6 +70,7 @@ def run_handoff(
     async_saves=True,
     idle=False,
     dtype="float32",
+    device="cpu",
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -94,6 +95,7 @@ def run_handoff(
             save=save,
             window=window,
             dtype=dtype,
+            device=device,
         ),
     )
     released: list[str] = []
@@ -138,6 +140,7 @@ def run_handoff(
             window=window,
             idle=idle,
             dtype=dtype,
+            device=device,
         ),
     )
     claimed = tokens_to_load(num_tokens, d_groups)

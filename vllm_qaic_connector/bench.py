@@ -16,7 +16,10 @@ Each (path, tokens) runs once untimed first; after the timed handoffs the decode
 zeroed, one more handoff runs, and its tokens must equal the prefill's byte for byte (else
 MISMATCH and exit status 1). A row keeps the best of --repeats handoffs; its ratio is to
 the best of 5 np.copyto of its bytes between two pre-faulted arrays (one thread) right
-after it. A row needs ~4x a request's bytes (32k default tokens: 16 GiB).
+after it. With ``--device cuda`` the caches live on the GPU, the staging is page-locked
+as the worker makes it, and the ratio is to the best of 5 pinned ``copy_`` of the bytes to
+the host and back (a save's and a load's traffic). A row needs ~4x a request's bytes
+(32k default tokens: 16 GiB).
 Ctrl-C or SIGTERM stops the run after its current step; the rows so far are still written.
 """
 
@@ -103,6 +106,7 @@ class Shape(NamedTuple):
     heads: int
     head_dim: int
     dtype: torch.dtype
+    device: str = "cpu"  # where the KV caches live (staging is host memory)
 
     def geo(self, fmt: Fmt, tokens: int) -> KVGeometry:
         return KVGeometry(self.heads, self.head_dim, fmt[1] or tokens, self.dtype)
@@ -138,7 +142,8 @@ def layers_of(
     """``kv_cache``'s physical layer tensors: one allocation, as vLLM makes it."""
     geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
     nb = blocks_for_tokens(n, geo.block_size)
-    physical = list(torch.zeros((shape.layers, *layout.physical_shape(nb, geo)), dtype=geo.dtype))
+    dims = (shape.layers, *layout.physical_shape(nb, geo))
+    physical = list(torch.zeros(dims, dtype=geo.dtype, device=shape.device))
     if fill:
         size = physical[0].numel() * geo.dtype.itemsize
         pool = torch.randint(0, 256, (size + shape.layers,), dtype=torch.uint8, generator=gen)
@@ -180,6 +185,9 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     fmt = StagingFormat(path.staged[0], shape.geo(path.staged, n), shape.layers)
     nbytes = HEADER_BYTES + fmt.request_bytes(n)
     owner, reader = transports(path.transport, nbytes, stack)
+    if shape.device != "cpu":  # as the worker does for a GPU's cache
+        for transport in (owner, reader):
+            transport.pin_host_memory()
     peer, headers = owner.endpoint(), RegionHeaders(owner.staging)
     staged_blocks = list(range(blocks_for_tokens(n, fmt.geometry.block_size)))
     notify = b"ack" if reader.delivers_notifications else None
@@ -308,7 +316,8 @@ def measure(path: Path, shape: Shape, n: int, repeats: int, corrupt: bool) -> Ro
             raise Mismatch(f"{len(bad)} of {2 * shape.layers} planes differ: {bad[:4]}")
         del case  # the memcpy's arrays replace the path's buffers
     (save_s, load_s), nbytes = min(timed, key=sum), shape.nbytes(n)
-    gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / memcpy_seconds(nbytes, 5) / 1e9
+    reference = memcpy_seconds if shape.device == "cpu" else pinned_copy_seconds
+    gbps, memcpy_gbps = nbytes / (save_s + load_s) / 1e9, nbytes / reference(nbytes, 5) / 1e9
     return {
         "path": path.label, "tokens": n, "bytes": nbytes, "seconds": save_s + load_s,
         "gbps": gbps, "ratio_to_memcpy": gbps / memcpy_gbps, "memcpy_gbps": memcpy_gbps,
@@ -320,6 +329,20 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
     """Best np.copyto of ``nbytes`` between two faulted-in arrays (one thread)."""
     src, dst = np.full(nbytes, 7, dtype=np.uint8), np.full(nbytes, 0, dtype=np.uint8)
     return min(seconds(lambda: np.copyto(dst, src)) for _ in range(repeats))
+
+
+def pinned_copy_seconds(nbytes: int, repeats: int) -> float:
+    """Best pinned ``copy_`` of ``nbytes`` from the GPU to the host and back: the bytes of a
+    save (device to host) and a load (host to device) at PCIe speed."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+
+    def there_and_back() -> None:
+        host.copy_(device, non_blocking=True)
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    return min(seconds(there_and_back) for _ in range(repeats))
 
 
 def show(r: Row) -> None:
@@ -367,6 +390,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for flag, default in (("--layers", 32), ("--kv-heads", 8), ("--head-dim", 128)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    help = "where the caches live; cuda: staged paths, against a pinned copy_"
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=help)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--plot", help="draw GB/s against tokens into this PNG (needs matplotlib)")
@@ -374,6 +399,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     args.repeats = args.repeats or (2 if args.quick else 5)
+    if args.device == "cuda":  # a GPU's cache is not shared directly: staged paths only
+        args.paths = [k for k in args.paths if not PATHS[k].direct and PATHS[k].transport == "shm"]
     if min(args.tokens + [args.repeats, args.layers, args.kv_heads, args.head_dim]) < 1:
         p.error("tokens, repeats, layers, kv-heads and head-dim must be >= 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -386,11 +413,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines would split the table
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = Shape(args.layers, args.kv_heads, args.head_dim, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, dtype, args.device)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
-    print(f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} {args.dtype}, "
-          f"best of {args.repeats}, torch threads {torch.get_num_threads()}")  # fmt: skip
+    reference = "np.copyto" if args.device == "cpu" else "pinned copy_, both ways"
+    print(f"{shape.layers} layers x {shape.heads} KV heads x {shape.head_dim} {args.dtype} on "
+          f"{args.device}, best of {args.repeats}, torch threads {torch.get_num_threads()}; "
+          f"memcpy: {reference}")  # fmt: skip
     print(f"{'path':<24}{'tokens':>7}{'MiB':>8}{'save GB/s':>10}{'load GB/s':>10}{'GB/s':>8}"
           f"{'memcpy':>8}{'ratio':>7}", flush=True)  # fmt: skip
     rows: list[Row] = []

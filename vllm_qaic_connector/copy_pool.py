@@ -1,7 +1,8 @@
 """A second thread for big KV copies, where this process may use two cores: one copy
 thread reaches about half of this host's memory bandwidth, two reach most of it. A big
 copy splits its work in two and runs one half there; a small one, and every copy on an
-engine pinned to one core, runs where it is called."""
+engine pinned to one core, runs where it is called. A copy to or from GPU memory goes to
+`DeviceCopies` instead."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from vllm_qaic_connector.device_copies import DeviceCopies
 from vllm_qaic_connector.layout import KV, HeadRange, copy_layers, tokens_bytes
 from vllm_qaic_connector.stream_copy import copy_threads
 
@@ -22,6 +24,7 @@ class CopyPool:
         two = copy_threads() > 1
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-copy") if two else None
         self._idle = threading.Lock()  # held while the second thread copies
+        self.device = DeviceCopies()
 
     def split(
         self, work: Callable[[int, int], int], n: int, nbytes: int, at: int | None = None
@@ -58,6 +61,8 @@ class CopyPool:
         dst_t0: int | None = None,
     ) -> int:
         """`copy_layers`, the second half of the layers on the other thread."""
+        if src and dst and (src[0][0].is_cuda or dst[0][0].is_cuda):
+            return self.device.layers(src, src_blocks, dst, dst_blocks, t0, t1, heads, dst_t0)
 
         def part(lo: int, hi: int) -> int:
             return copy_layers(

@@ -253,6 +253,7 @@ def copy_layers(
                           _addresses(d_[0], bases[1], b.dst_ids, b.dst_at))  # fmt: skip
                 continue
             for so, do, src_ids, dst_ids in b.parts:
+                src_ids, dst_ids = _on(src_ids, k.device), _on(dst_ids, k_out.device)
                 for s_one, d_one in zip(s_, d_, strict=True):
                     _copy_one_layer(s_one[:, :, so : so + b.n], src_ids,
                                     d_one[:, :, do : do + b.n], dst_ids, ints)  # fmt: skip
@@ -298,8 +299,8 @@ def _block_plan(
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
                     ints: torch.dtype) -> None:  # fmt: skip
-    if s_.device.type != "cpu" or d_.device.type != "cpu":  # an accelerator's memory
-        d_[dst_ids] = s_[src_ids].to(d_.device)
+    if s_.device.type != "cpu" or d_.device.type != "cpu":  # a GPU's: its gathers, as ints
+        d_.view(ints)[dst_ids] = s_.view(ints)[src_ids].to(d_.device)
     elif isinstance(dst_ids, slice) and isinstance(src_ids, torch.Tensor):  # to staging
         torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place
     else:
@@ -308,6 +309,10 @@ def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids
         # same-size ints: any dtype, any strides, whole slices at a time.
         into = dst_ids if isinstance(dst_ids, slice) else dst_ids.numpy()
         d_.view(ints).numpy()[into] = s_[src_ids].view(ints).numpy()
+
+
+def _on(ids: _Index, device: torch.device) -> _Index:
+    return ids if isinstance(ids, slice) or device.type == "cpu" else ids.to(device)
 
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

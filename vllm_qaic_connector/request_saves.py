@@ -9,6 +9,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
 from vllm.logger import init_logger
 
 from vllm_qaic_connector.config import ConnectorConfig
@@ -53,13 +54,14 @@ class RequestSaves:
             if spec.direct and spec.generation:
                 self._seal_direct(spec)
         saves = [spec for spec in step.saves if not spec.direct]
+        forward = self._copies.device.forward_done(self.cache.device) if saves else None
         if not saves or not self.cfg.async_saves or self._inline(saves):
-            self._save_all(saves)
+            self._save_all(saves, forward)
             return
         for spec in saves:
             if spec.generation:
                 self.headers.promise(spec.staging_offset, spec.generation)
-        job = self._last_job = self.saver.submit(self._save_all, saves)
+        job = self._last_job = self.saver.submit(self._save_all, saves, forward)
         for spec in saves:
             self._saving[spec.request_id] = job
 
@@ -94,13 +96,15 @@ class RequestSaves:
     def shutdown(self) -> None:
         self.saver.shutdown(wait=True)  # its writes go into the transport's staging
 
-    def _save_all(self, saves: list[SaveSpec]) -> None:
-        for spec in saves:
-            try:
-                self._save(spec)
-            except Exception:
-                logger.exception("QAICConnector: staging request %s failed", spec.request_id)
-                self.headers.abandon(spec.staging_offset)  # its reader fails at once
+    def _save_all(self, saves: list[SaveSpec], forward: torch.cuda.Event | None) -> None:
+        """``forward``: what wrote the blocks, on a GPU; the copies wait for it."""
+        with self._copies.device.after(forward, self.cache.device):
+            for spec in saves:
+                try:
+                    self._save(spec)
+                except Exception:
+                    logger.exception("QAICConnector: staging request %s failed", spec.request_id)
+                    self.headers.abandon(spec.staging_offset)  # its reader fails at once
 
     def _seal_direct(self, spec: SaveSpec) -> None:
         """Nothing to copy: the ticket's header says the held blocks are ready. On the

@@ -37,6 +37,10 @@ class LocalCache:
     layer_groups: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
     state: RecurrentState | None = None  # Mamba layers' state, if the model has any
 
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device if self.tensors else torch.device("cpu")
+
     def group(self, layer: int) -> int:
         return self.layer_groups[layer] if self.layer_groups else 0
 

@@ -147,8 +147,14 @@ class WorkerSide:
             self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s,
             stages=self.identity.produces,
         )  # fmt: skip
-        # Direct reads move whole blocks: each must be one dense run (not LHBNC's).
-        one_group = cache.state is None and len(self.groups) <= 1 and dense_blocks(cache)
+        # Direct reads move whole blocks: each must be one dense run (not LHBNC's), in
+        # host memory. A GPU copies from and to staging, page-locked.
+        on_gpu = cache.device.type == "cuda"
+        if on_gpu:
+            transport.pin_host_memory()
+        one_group = (
+            cache.state is None and len(self.groups) <= 1 and dense_blocks(cache) and not on_gpu
+        )
         if self.cfg.transport == "nixl":  # peers' READs come from the cache or land in it
             direct = one_group and self.cfg.nixl_direct_reads
             shared = register_kv_cache(tensors, transport) if direct else None

@@ -68,6 +68,10 @@ class KVTransport(ABC):
     def release_read(self, peer: TransportEndpoint, offset: int) -> None:  # noqa: B027
         """Drop whatever `read` holds for that region."""
 
+    def pin_host_memory(self) -> None:  # noqa: B027
+        """Page-lock the staging and every peer mapping from now on, for a GPU's copies
+        (where the transport can; its memory stays usable either way)."""
+
     def forget_peer(self, peer: TransportEndpoint) -> None:  # noqa: B027
         """Drop mappings/registrations held for a peer."""
 

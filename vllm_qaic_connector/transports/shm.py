@@ -26,6 +26,7 @@ from multiprocessing import resource_tracker
 
 import torch
 
+from vllm_qaic_connector.transports import host_pinning
 from vllm_qaic_connector.transports.base import KVTransport, populate
 from vllm_qaic_connector.wire import TransportEndpoint
 
@@ -82,7 +83,7 @@ class SharedSegment:
         if "/" in name or not name:
             raise ValueError(f"invalid shm segment name {name!r}")
         self.name, self.size, self._owner = name, size, create
-        self._closed = False
+        self._closed = self._pinned = False
         path = os.path.join(SHM_DIR, name)
         # A peer's segment is only read: mapped read-only, a bug or a hostile name cannot
         # write into it. O_NOFOLLOW: a symlink planted in /dev/shm is refused, not followed.
@@ -128,6 +129,11 @@ class SharedSegment:
         else:
             os.close(fd)
 
+    def pin(self) -> None:
+        """Page-locked for a GPU's copies, until `close`."""
+        if not self._pinned and not self._closed:
+            self._pinned = host_pinning.pin(self.tensor, read_only=not self._owner)
+
     def close(self) -> None:
         # Never munmap here: torch views of the mapping may still be alive, and touching
         # them after munmap crashes the process. Dropping our references lets the mapping
@@ -135,6 +141,8 @@ class SharedSegment:
         if self._closed:
             return
         self._closed = True
+        if self._pinned:
+            host_pinning.unpin(self.tensor)
         del self.tensor, self._map
         if self._owner:
             _unlink(os.path.join(SHM_DIR, self.name))
@@ -155,6 +163,14 @@ class ShmTransport(KVTransport):
         self._own = SharedSegment(name, staging_bytes, create=True) if own else None
         self._peers: dict[str, SharedSegment] = {}
         self._lock = threading.Lock()  # loads run on several threads
+        self._pin = False
+
+    def pin_host_memory(self) -> None:
+        with self._lock:
+            self._pin = True
+            for seg in [self._own, *self._peers.values()]:
+                if seg is not None:
+                    seg.pin()
 
     @property
     def staging(self) -> torch.Tensor:
@@ -175,6 +191,8 @@ class ShmTransport(KVTransport):
         with self._lock:
             if peer.address not in self._peers:
                 self._peers[peer.address] = SharedSegment(peer.address, peer.size, create=False)
+                if self._pin:
+                    self._peers[peer.address].pin()
             return self._peers[peer.address].tensor[offset : offset + nbytes]
 
     def forget_peer(self, peer: TransportEndpoint) -> None:

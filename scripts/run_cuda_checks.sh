@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine with CUDA, from the project root: `pytest -m cuda` (every
+# vLLM layout pair on device caches, the save/forward race, the bench test), then the bench
+# against a pinned copy_. Where vLLM is not installed, ../shared/tools/gpu-carry packs it
+# into .gpu-carry/ beforehand; this script sources it. Logs and rows go to $OUT (or /tmp).
+set -uo pipefail
+out=${OUT:-/tmp}
+[ -f .gpu-carry/setup.sh ] && source .gpu-carry/setup.sh
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current,driver_version \
+  --format=csv | tee "$out/gpu.txt"
+# Staging is POSIX shm: a container's 64 MiB /dev/shm is too small for a real prompt.
+if [ "$(df --output=size -k /dev/shm | tail -1)" -lt $((16 << 20)) ]; then
+  mount -o remount,size=32G /dev/shm || echo "cannot grow /dev/shm" >&2
+fi
+python3 -m pytest -m cuda -q -p no:cacheprovider -n "${JOBS:-8}" tests/test_cuda.py 2>&1 |
+  tee "$out/pytest-cuda.log"
+status=${PIPESTATUS[0]}
+python3 -m vllm_qaic_connector.bench --device cuda --dtype bfloat16 --paths shm-staged \
+  shm-reblock --tokens ${TOKENS:-1024 4096 16384} --json "$out/bench-cuda.json" 2>&1 |
+  tee "$out/bench-cuda.log"
+exit $(( status || PIPESTATUS[0] ))

@@ -1,0 +1,32 @@
+"""Page-locks host memory that a GPU copies to or from, so the copies run as DMA at PCIe
+speed (pageable memory goes through the driver's bounce buffer). A mapping is registered
+once and unregistered before it goes: CUDA must never keep a registration for an address
+range that was unmapped, where a later mapping could land and be read through stale pages."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(f"vllm.{__name__}")
+
+READ_ONLY = 8  # cudaHostRegisterReadOnly: a peer's segment is mapped without write access
+
+
+def pin(region: torch.Tensor, read_only: bool) -> bool:
+    """Registers ``region`` (a flat uint8 tensor over host memory) with CUDA; False where
+    it could not be: the copies still run, slower."""
+    if region.numel() == 0:
+        return False
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(region.data_ptr(), region.numel(), READ_ONLY if read_only else 0)
+    if int(err) != 0:
+        logger.warning("QAICConnector: cannot page-lock %d MiB of staging (%s); copies "
+                       "to and from the GPU will be slower", region.numel() >> 20, err)  # fmt: skip
+        return False
+    return True
+
+
+def unpin(region: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
