@@ -48,7 +48,7 @@ def test_a_save_waits_for_the_forward_still_writing_its_blocks(monkeypatch):
     spec = SaveSpec("r1", (blocks,), n, 4096, "LBNHC", 16, (5 << 32) + 1, (0,))
     engine = torch.cuda.Stream()
     with torch.cuda.stream(engine):
-        torch.cuda._sleep(500_000_000)  # ~0.3 s of a busy forward
+        torch.cuda._sleep(4_000_000_000)  # ~2 s of a busy forward
         for k, v in w.layers:
             k.fill_(3.0), v.fill_(-3.0)
         w.bind(QAICConnectorMetadata(saves=[spec]))

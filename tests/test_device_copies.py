@@ -87,3 +87,18 @@ def test_a_staged_window_that_is_not_consecutive_is_refused():
     _, staged = random_region("LBHNC", 16, gen)
     with pytest.raises(ValueError, match="not consecutive"):
         mirrored_copy(cache, blocks, staged, [0, 2, 1], 0, N, None, None, saving=True, device=CPU)
+
+
+def test_layers_evenly_spaced_in_one_allocation_stack_into_one_view():
+    """On a GPU a copy covers every layer at once where each side's layers stack: as
+    vLLM allocates its caches and as staging lays a request out, never otherwise."""
+    from vllm_qaic_connector.layout import _stacked
+
+    whole = torch.arange(4 * 2 * 3 * 5, dtype=torch.float32).view(4, 2, 3, 5)
+    planes = [t[:, :, :3] for t in whole]  # K of each layer: strided, evenly spaced
+    stacked = _stacked(planes)
+    assert stacked is not None and stacked.shape == (2, 3, 3, 4)
+    for i, plane in enumerate(planes):
+        assert torch.equal(stacked[..., i], plane)
+    assert _stacked([planes[0], planes[2], planes[3]]) is None  # a gap
+    assert _stacked([planes[0], planes[1].clone()]) is None  # another allocation

@@ -277,7 +277,8 @@ def mismatches(src: Cache, dst: Cache, n: int) -> list[str]:
     for layer, (s_kv, d_kv) in enumerate(zip(src[0], dst[0], strict=True)):
         want, got = gather_tokens(s_kv, src[1], n), gather_tokens(d_kv, dst[1], n)
         for name, w, g in zip("KV", want, got, strict=True):
-            if not torch.equal(w.contiguous().view(torch.uint8), g.contiguous().view(torch.uint8)):
+            w, g = (t.contiguous().view(torch.uint8).cpu() for t in (w, g))
+            if not torch.equal(w, g):
                 bad.append(f"layer {layer} {name}")
     return bad
 

@@ -254,7 +254,7 @@ def copy_layers(
                 continue
             for so, do, src_ids, dst_ids in b.parts:
                 src_ids, dst_ids = _on(src_ids, k.device), _on(dst_ids, k_out.device)
-                for s_one, d_one in zip(s_, d_, strict=True):
+                for s_one, d_one in _layer_pairs(s_, d_):
                     _copy_one_layer(s_one[:, :, so : so + b.n], src_ids,
                                     d_one[:, :, do : do + b.n], dst_ids, ints)  # fmt: skip
     return tokens_bytes(dst, t0, t1, h)
@@ -309,6 +309,34 @@ def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids
         # same-size ints: any dtype, any strides, whole slices at a time.
         into = dst_ids if isinstance(dst_ids, slice) else dst_ids.numpy()
         d_.view(ints).numpy()[into] = s_[src_ids].view(ints).numpy()
+
+
+def _layer_pairs(
+    src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The views to copy one pair at a time. In GPU memory, where each side's layers lie
+    evenly spaced in one allocation (vLLM's caches, staging), all layers as one view with
+    a last dim for the layer: one kernel a copy, not one a layer."""
+    if len(src) > 1 and "cpu" not in (src[0].device.type, dst[0].device.type):
+        s_all, d_all = _stacked(src), _stacked(dst)
+        if s_all is not None and d_all is not None:
+            return [(s_all, d_all)]
+    return list(zip(src, dst, strict=True))
+
+
+def _stacked(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Views of one shape and strides, each ``step`` bytes after the last in one storage,
+    as one view ``[*shape, len(views)]``; None otherwise."""
+    first, item = views[0], views[0].element_size()
+    step = views[1].data_ptr() - first.data_ptr()
+    storage = first.untyped_storage().data_ptr()
+    for i, v in enumerate(views):
+        if (v.shape, v.stride(), v.data_ptr()) != (first.shape, first.stride(), first.data_ptr()
+            + i * step) or v.untyped_storage().data_ptr() != storage:  # fmt: skip
+            return None
+    if step <= 0 or step % item:
+        return None
+    return first.as_strided((*first.shape, len(views)), (*first.stride(), step // item))
 
 
 def _on(ids: _Index, device: torch.device) -> _Index:
