@@ -12,6 +12,7 @@ import torch
 from tests.rank_worker import LAYERS, make_worker
 from tests.test_worker_ranks import VLLM_LAYOUTS, VLLM_PAIRS, full_heads, run_handoff
 from vllm_qaic_connector import bench, request_saves
+from vllm_qaic_connector.device_copies import DeviceCopies
 from vllm_qaic_connector.layout import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES
@@ -36,32 +37,51 @@ def test_vllm_layouts_on_the_gpu_move_byte_exactly(pair):
             assert np.array_equal(out["got"][layer][kv], full_heads(results, 4, 1, layer, kv))
 
 
-def test_a_save_waits_for_the_forward_still_writing_its_blocks(monkeypatch):
+@pytest.mark.parametrize("waits", [True, False], ids=["saved", "control-without-the-wait"])
+def test_a_save_waits_for_the_forward_still_writing_its_blocks(waits, monkeypatch):
     """The forward's last kernel, on the engine's stream, is still writing the request's
-    blocks when vLLM calls wait_for_save: the save thread must stage the new bytes."""
+    blocks when vLLM calls wait_for_save: the save thread must stage the new bytes. The
+    control drops the wait and must stage old ones (so the test can fail)."""
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)  # the save thread's path
     args = dict(rank=0, tp=1, total_heads=4, layout="LBNHC", block=16, engine="race",
                 extra={"transport": "shm", "async_saves": True}, dtype="bfloat16",
                 device="cuda")  # fmt: skip
     w = make_worker(args, 1)
+    assert w.saves is not None and w.cache is not None and w.transport is not None
     n, blocks = 200, list(range(13, 0, -1))
-    spec = SaveSpec("r1", (blocks,), n, 4096, "LBNHC", 16, (5 << 32) + 1, (0,))
-    engine = torch.cuda.Stream()
-    with torch.cuda.stream(engine):
-        torch.cuda._sleep(4_000_000_000)  # ~2 s of a busy forward
-        for k, v in w.layers:
-            k.fill_(3.0), v.fill_(-3.0)
+
+    def save(request_id: str, offset: int) -> None:
+        spec = SaveSpec(request_id, (blocks,), n, offset, "LBNHC", 16, (5 << 32) + 1, (0,))
         w.bind(QAICConnectorMetadata(saves=[spec]))
         w.wait_for_save()
+
+    # Every kernel of the race runs once first: CUDA loads a kernel on its first launch,
+    # and a load waits for running kernels, which would order the save for us.
+    save("warm-up", 1 << 20)
+    assert w.saves._last_job is not None
+    w.saves._last_job.result()
+    for k, v in w.layers:
+        k.fill_(0.0), v.fill_(0.0)
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
+    if not waits:
+        monkeypatch.setattr(DeviceCopies, "forward_done", staticmethod(lambda device: None))
+    engine = torch.cuda.Stream()
+    with torch.cuda.stream(engine):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of a busy forward
+        for k, v in w.layers:
+            k.fill_(3.0), v.fill_(-3.0)
+        save("r1", 4096)
         assert not engine.query(), "the writer finished before the save: no race to test"
     w.saves.saver.shutdown(wait=True)
-    assert w.cache is not None and w.transport is not None
     fmt = w.cache.staging_format("LBNHC", w.cache.geometry, LAYERS, (0,))
     region = w.transport.staging[4096 + HEADER_BYTES :]
-    for kv in fmt.layer_views(region, n):
-        k, v = gather_tokens(kv, range(len(blocks)), n)
-        assert bool((k.float() == 3.0).all()) and bool((v.float() == -3.0).all())
+    new = [
+        bool((k.float() == 3.0).all()) and bool((v.float() == -3.0).all())
+        for k, v in (gather_tokens(kv, range(len(blocks)), n) for kv in fmt.layer_views(region, n))
+    ]
     w.shutdown()
+    assert all(new) if waits else not any(new)
 
 
 def test_bench_on_the_gpu_moves_bytes_exactly_and_prints_ratios(capsys):
