@@ -24,3 +24,27 @@ def test_vllm_plugin_loader_registers_connector_by_name():
     cfg = KVTransferConfig(kv_connector="QAICConnector", kv_role="kv_both")
     assert cfg.kv_connector_module_path is None
     assert KVConnectorFactory.get_connector_class(cfg) is QAICConnector
+
+
+def test_the_layout_the_connector_states_is_the_one_vllm_resolves():
+    """``kv_cache_layout`` reaches vLLM's own layout resolution through the connector's
+    `get_required_kvcache_layout`; unset, vLLM keeps its backend's choice; a name vLLM does
+    not know is refused at start-up, by key."""
+    import pytest
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+
+    from vllm_qaic_connector.config import parse_config
+
+    vllm_qaic_connector.register()
+
+    def resolved(extra: dict) -> str | None:
+        ktc = KVTransferConfig(
+            kv_connector="QAICConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        )
+        return get_kv_connector_cache_layout(VllmConfig(kv_transfer_config=ktc))
+
+    assert resolved({"kv_cache_layout": "BLHNC"}) == "BLHNC"
+    assert resolved({}) is None
+    with pytest.raises(ValueError, match="kv_cache_layout"):
+        parse_config({"kv_cache_layout": "NHD"})

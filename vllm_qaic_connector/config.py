@@ -41,6 +41,8 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     direct_reads: bool = True
     nixl_direct_reads: bool = False
     kv_cache_prefix: str | None = None
+    # Asked of vLLM for this engine's KV cache (it keeps its own where a backend cannot).
+    kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"] | None = None
     debug_corrupt_loaded_kv: bool = False
 
     def __post_init__(self) -> None:

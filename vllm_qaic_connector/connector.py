@@ -47,6 +47,11 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker = WorkerSide.from_vllm(vllm_config, cfg, kv_cache_config)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        ktc = vllm_config.kv_transfer_config
+        return parse_config(ktc.kv_connector_extra_config if ktc else None).kv_cache_layout
+
     # --- worker role --------------------------------------------------------------------
 
     def _w(self) -> WorkerSide:
