@@ -13,6 +13,7 @@ import pytest
 import torch
 from vllm.v1.outputs import KVConnectorOutput
 
+from tests.rank_worker import vllm_kv_caches
 from tests.ranks import rank_meta
 from tests.test_scheduler_side import free_blocks, meta, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
@@ -239,14 +240,20 @@ def test_direct_reads_need_one_tp_one_host_and_over_nixl_one_format():
     assert "block sizes differ" in str(direct_problem(nixl_prefill, nixl_other, 1))
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "LBHNC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu", "LBHNC", "BLHNC"])
 def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
-    transfer of whole blocks (adjacent ones merged) from one into the other over UCX."""
+    transfer of whole blocks (adjacent ones merged) from one into the other over UCX. A
+    cross-layer cache (vLLM's own views) moves a block of every layer as one run."""
     pytest.importorskip("nixl")
     layout = get_layout(kind)
-    _, prefill_layers = vllm_like_cache(kind)
-    _, decode_layers = vllm_like_cache(kind)
+    if kind == "BLHNC":
+        gen = torch.Generator()
+        prefill_layers, decode_layers = (vllm_kv_caches(kind, GEO, LAYERS, BLOCKS, gen)
+                                         for _ in range(2))  # fmt: skip
+    else:
+        _, prefill_layers = vllm_like_cache(kind)
+        _, decode_layers = vllm_like_cache(kind)
     gen = torch.Generator().manual_seed(3)
     for t in prefill_layers:
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -258,8 +265,9 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
         cache = register_kv_cache(prefill_layers, prefill)
         assert cache is not None and register_kv_cache(decode_layers, decode) is not None
         runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
-        # 6 runs of blocks adjacent on both sides, per layer (K and V share a block in both)
-        assert len(runs) == 6 * LAYERS
+        # 6 runs of blocks adjacent on both sides, per layer (K and V share a block in both);
+        # cross-layer, the layers of those blocks are one run too
+        assert len(runs) == 6 * (1 if kind == "BLHNC" else LAYERS)
         decode.read_into(cache_endpoint(prefill.endpoint(), cache), runs)
     finally:
         decode.close()

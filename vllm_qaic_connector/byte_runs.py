@@ -67,6 +67,18 @@ def _each_block(first: np.ndarray, count: np.ndarray) -> np.ndarray:
     return np.repeat(first, count) + within
 
 
+def merged(
+    frm: np.ndarray, to: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`merge_runs` over arrays: a range that continues the previous one on both sides
+    joins it."""
+    if not len(sizes):
+        return frm, to, sizes
+    goes_on = (frm[:-1] + sizes[:-1] == frm[1:]) & (to[:-1] + sizes[:-1] == to[1:])
+    starts = np.flatnonzero(np.r_[True, ~goes_on])
+    return frm[starts], to[starts], np.add.reduceat(sizes, starts)
+
+
 def merge_runs(runs: Iterable[ByteRun]) -> list[ByteRun]:
     """Fewer, longer runs: a run that continues the previous one on both sides joins it
     (a transfer costs per descriptor)."""

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_qaic_connector.byte_runs import BlockExtents, ByteRun, block_ranges
+from vllm_qaic_connector.byte_runs import BlockExtents, ByteRun, block_ranges, merged
 from vllm_qaic_connector.copy_pool import CopyPool
 from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs
 from vllm_qaic_connector.stream_copy import copy_ranges
@@ -142,10 +142,11 @@ def cache_ranges(
     ours = BlockExtents.of(first.shape, first.stride(), src.block_dim)
     runs, item = block_runs(*blocks), first.element_size()
     frm, to, sizes = block_ranges(src.extents, ours, runs, item)
-    # the layers share one plan: a row of it per layer, shifted to the layer's base
-    src_at = np.asarray(src_bases, dtype=np.int64)[:, None] + frm
-    dst_at = np.asarray([t.data_ptr() for t in layers], dtype=np.int64)[:, None] + to
-    return src_at.ravel(), dst_at.ravel(), np.tile(sizes, len(layers))
+    # The layers share one plan, shifted to each layer's base; range by range, every layer
+    # in turn, so a cross-layer layout's block of every layer joins into one range.
+    src_at = frm[:, None] + np.asarray(src_bases, dtype=np.int64)
+    dst_at = to[:, None] + np.asarray([t.data_ptr() for t in layers], dtype=np.int64)
+    return merged(src_at.ravel(), dst_at.ravel(), np.repeat(sizes, len(layers)))
 
 
 def plan_cache_reads(
