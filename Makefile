@@ -13,6 +13,7 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check vllm_qaic_connector emulator tests scripts benchmarks
 	$(PY) -m mypy
+	.venv/bin/lint-imports
 
 unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_accuracy_harness.py
