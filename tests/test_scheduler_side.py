@@ -11,7 +11,7 @@ from vllm.v1.request import RequestStatus
 from tests.ranks import rank_meta
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.config import KEY_ENV
+from vllm_qaic_connector.config import KEY_ENV, parse_config
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
 from vllm_qaic_connector.wire import (
@@ -311,6 +311,56 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
         assert params["staged_layout"] == "LBHNC" and params["staged_block_size"] == 64
     finally:
         sched.connector.shutdown()
+
+
+# What vLLM's router (and llm-d's sidecar) send a prefill: NixlConnector's fields, no decode.
+ROUTER_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
+
+
+def staged_format(sched, rid: str) -> tuple[str, int]:
+    sched.add_request(make_request(rid, 70, dict(ROUTER_PARAMS)))
+    for _ in range(100):
+        out, _ = step(sched)
+        if meta(out).saves:
+            spec = meta(out).saves[0]
+            return spec.layout_kind, spec.block_size
+    raise AssertionError(f"{rid} was never saved")
+
+
+def test_behind_a_router_the_prefill_stages_in_its_decode_peers_format():
+    """No decode named in the params: the decodes in ``decode_peers`` (handshaken at
+    start-up) decide when they agree; where they differ, or before they answer, the
+    prefill stages in its own format and the decodes convert."""
+    decodes = [make_scheduler("kv_consumer", BS, engine_id=f"dec{i}") for i in range(3)]
+    formats = [("LBHNC", 64), ("LBHNC", 64), ("LBNHC", 32)]
+    prefills = []
+    try:
+        for d, (kind, block) in zip(decodes, formats, strict=True):
+            d.connector.scheduler.set_rank_metadata(
+                [msgspec_replace(rank_meta(engine_id="d"), block_size=block, layout_kind=kind)]
+            )
+        peers = [f"127.0.0.1:{d.connector.scheduler._server.port}" for d in decodes]
+        for fleet in (peers[:2], peers):
+            sched = make_scheduler("kv_producer", BS, {"decode_peers": fleet})
+            sched.connector.scheduler.set_rank_metadata([rank_meta()])
+            prefills.append(sched)
+        agreeing, mixed = prefills
+        deadline = time.monotonic() + 20  # the start-up handshakes answer
+        while staged_format(agreeing, f"a{time.monotonic()}") != ("LBHNC", 64):
+            assert time.monotonic() < deadline, "never staged in the decodes' format"
+            time.sleep(0.05)
+        assert staged_format(mixed, "m1") == ("vllm_cpu", BS)  # they differ: our own
+    finally:
+        for sched in [*prefills, *decodes]:
+            sched.connector.shutdown()
+
+
+def test_decode_peers_must_be_host_and_port():
+    with pytest.raises(ValueError, match="decode_peers"):
+        parse_config({"decode_peers": ["127.0.0.1"]})
 
 
 def test_unreachable_decode_falls_back_to_own_format():

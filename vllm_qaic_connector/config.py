@@ -41,6 +41,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     direct_reads: bool = True
     nixl_direct_reads: bool = False
     kv_cache_prefix: str | None = None
+    # A prefill's decodes ("host:port" side channels), for routers that name none: where
+    # they all take one format, the prefill stages in it (or lets them read its cache).
+    decode_peers: tuple[str, ...] = ()
     # Asked of vLLM for this engine's KV cache (it keeps its own where a backend cannot).
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"] | None = None
     debug_corrupt_loaded_kv: bool = False
@@ -71,12 +74,20 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
             )
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
+        for peer in self.decode_peers:
+            host, _, port = peer.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"decode_peers: {peer!r} is not host:port")
         if self.kv_cache_prefix is not None and not PREFIX_RE.fullmatch(self.kv_cache_prefix):
             raise ValueError(f"kv_cache_prefix must be alphanumeric, got {self.kv_cache_prefix!r}")
 
     @property
     def advertise_host(self) -> str:
         return self.side_channel_advertise_host or self.side_channel_host
+
+    @property
+    def decode_sides(self) -> list[tuple[str, int]]:
+        return [(h, int(p)) for h, _, p in (peer.rpartition(":") for peer in self.decode_peers)]
 
     @property
     def num_staging_pages(self) -> int:

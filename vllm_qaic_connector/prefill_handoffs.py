@@ -98,6 +98,8 @@ class PrefillHandoffs:
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
         self._generations = Generations()
+        for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
+            peers.poll(host, port)
 
     # --- before the prompt runs ----------------------------------------------------------
 
@@ -145,14 +147,17 @@ class PrefillHandoffs:
     def _resolve_target(
         self, rid: str, params: dict[str, Any], since: float
     ) -> StagingTarget | None:
-        """The named decode's format; our own if none is named or it cannot be reached in
-        time (the decode then converts on receive), or where it reads our cache directly
-        (it converts as it copies). None while the handshake is pending."""
+        """The named decode's format, else the one every decode in ``decode_peers`` takes;
+        our own where they differ, none is known or the named one cannot be reached in time
+        (the decode then converts on receive), or where it reads our cache directly (it
+        converts as it copies). None while the named decode's handshake is pending."""
         own_kind = self.ranks[0].layout_kind if self.ranks else ""
         own = StagingTarget(own_kind, self.engine.geometry.block_size)
         host, port = params.get("decode_host"), params.get("decode_port")
-        if host is None and port is None:
-            return own
+        if host is None and port is None:  # a router that names no decode: our fleet's
+            known = [self.peers.poll(h, p) for h, p in self.cfg.decode_sides]
+            targets = {self._target_for(f, own) if isinstance(f, list) else own for f in known}
+            return targets.pop() if len(targets) == 1 else own
         if not isinstance(host, str) or not isinstance(port, int):
             logger.error(
                 "QAICConnector: request %s: malformed decode_host/decode_port in "
@@ -168,11 +173,14 @@ class PrefillHandoffs:
         if isinstance(found, str):
             logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
             return own
-        if len(found) != len(self.ranks):
+        return self._target_for(found, own)
+
+    def _target_for(self, decode: list[RankMetadata], own: StagingTarget) -> StagingTarget:
+        if len(decode) != len(self.ranks):
             return own  # head shards differ: the decode regroups heads on receive
-        if not direct_problem(self.ranks[0], found[0], len(self.ranks)):
+        if not direct_problem(self.ranks[0], decode[0], len(self.ranks)):
             return dataclasses.replace(own, direct=True)  # block_ids: ours, in our format
-        return StagingTarget(found[0].layout_kind, found[0].block_size)
+        return StagingTarget(decode[0].layout_kind, decode[0].block_size)
 
     def _staging_format(
         self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]
