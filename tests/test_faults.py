@@ -18,6 +18,7 @@ Each case prints one line starting with ``[faults]`` (shown with ``-rA`` or ``-s
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 import statistics
@@ -31,6 +32,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+import requests
 
 from tests import proxy_clients
 from tests.live_servers import (
@@ -39,10 +41,12 @@ from tests.live_servers import (
     Streamed,
     VllmServer,
     complete,
+    completion_body,
     copy_prompts,
     count_tokens,
     free_port,
     hostile_variants,
+    is_correct,
     kv_config,
     outcome,
     poll_until,
@@ -69,6 +73,10 @@ LOAD_SECONDS = "vllm:qaic_kv_load_seconds_count"  # histogram samples
 SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
 READS = "vllm:qaic_kv_read_descriptors_total"
 HANDSHAKES = "vllm:qaic_kv_handshakes_total"
+SIDECAR_PARAMS = {  # what llm-d's sidecar and vLLM's router send a prefill
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
 DIRECT = "vllm:qaic_kv_direct_reads_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 WAITING = "vllm:num_requests_waiting"
@@ -727,6 +735,52 @@ class TestShm:
         c = shm_cluster
         c.ensure(c.prefill, c.decode, c.proxy)
         say("vllm bench serve", **proxy_clients.check_vllm_bench_serve(c.proxy))
+
+    # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
+
+    def test_k_llm_d_sidecar_request_sequence(self, shm_cluster: Cluster) -> None:
+        """As llm-d's sidecar drives a P/D pair: the prefill leg is the client's body with
+        NixlConnector's params, ``stream`` false, ``stream_options`` dropped and
+        ``max_tokens`` 1; the decode leg is the client's body (streamed here) with the
+        prefill's ``kv_transfer_params`` copied whole, the same ``x-request-id`` on both.
+        Without a prefill it sends ``kv_transfer_params: null`` to the decode alone. No
+        proxy runs: no first token from the prefill, no early release."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode)
+        (prompt, answer), (alone, alone_answer) = c.prompts(2)
+        loaded0, failed0 = (c.decode.metric(n, 0.0) for n in (LOADED, LOAD_FAILURES))
+        expired0 = c.prefill.metric(EXPIRIES, 0.0)
+        headers = {"x-request-id": f"sidecar-{c.prompt_seed}"}
+        client = {**completion_body(prompt), "stream": True,
+                  "stream_options": {"include_usage": True}}  # fmt: skip
+        prefill_leg = {k: v for k, v in client.items() if k != "stream_options"}
+        prefill_leg.update(stream=False, max_tokens=1, kv_transfer_params=SIDECAR_PARAMS)
+        r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg,
+                          headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        assert r.status_code == 200, r.text[:300]
+        decode_leg = {**client, "kv_transfer_params": r.json().get("kv_transfer_params")}
+        with requests.post(f"{c.decode.url}/v1/completions", json=decode_leg, headers=headers,
+                           stream=True, timeout=CLIENT_TIMEOUT_S) as resp:  # fmt: skip
+            events = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith(b"data: {")]  # fmt: skip
+        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        assert events and events[-1].get("usage"), "stream_options reached the decode"
+        body = {**completion_body(alone), "kv_transfer_params": None}  # the sidecar's null
+        fallback = requests.post(f"{c.decode.url}/v1/completions", json=body, timeout=60).json()
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        loaded, failed = (c.decode.metric(n, 0.0) - v for n, v in
+                          ((LOADED, loaded0), (LOAD_FAILURES, failed0)))  # fmt: skip
+        # The decode's acknowledgement freed the staging, not the lease: past it, one plain
+        # request steps the idle prefill (its gauge moves only then), and nothing expired.
+        time.sleep(LEASE_S + 1.0)
+        complete(c.prefill.url, c.prompts(1)[0][0], max_tokens=1)
+        freed, _ = poll_until(lambda: c.prefill.metric(PAGES_IN_USE, 0.0) == 0, 10)
+        released = freed and c.prefill.metric(EXPIRIES, 0.0) == expired0
+        say("llm-d sidecar", loaded=loaded, load_failures=failed, staging_freed=freed,
+            by_lease_expiry=c.prefill.metric(EXPIRIES, 0.0) - expired0)  # fmt: skip
+        assert is_correct({"choices": [{"text": text}]}, answer), text
+        assert is_correct(fallback, alone_answer), fallback
+        assert (loaded, failed, released) == (1, 0, True)
 
 
 # --- NIXL --------------------------------------------------------------------------------------
