@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.qaic-setup-v3"  # v3: the native block copy (a C compiler; see setup.py)
+STAMP="$VENV/.qaic-setup-v4"  # v4: import-linter and vllm-router in the test extras
 # The cross-host NIXL test builds network namespaces with iproute2's `ip`.
 if ! command -v ip >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"

@@ -45,11 +45,6 @@ PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 LEASE_S = 4.0
 
-pytestmark = pytest.mark.skipif(
-    not ROUTER.exists() and shutil.which("vllm-router") is None,
-    reason="vllm-router is not installed (pip install -e '.[test]' brings it)",
-)
-
 
 class Fleet:
     def __init__(self, run: LiveRun, prefills: list[VllmServer], decodes: list[VllmServer],
@@ -69,6 +64,8 @@ class Fleet:
 
 
 def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
+    router_bin = str(ROUTER) if ROUTER.exists() else shutil.which("vllm-router")
+    assert router_bin, "vllm-router is not installed: make setup (the test extras) brings it"
     run = LiveRun(f"router{transport}")
     try:
         key_env: dict[str, str] = {}
@@ -96,7 +93,7 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
         ]  # fmt: skip
         wait_all_ready(*prefills, *decodes, retries=1)
         port = free_port()
-        argv = [str(ROUTER if ROUTER.exists() else shutil.which("vllm-router")),
+        argv = [router_bin,
                 "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
                 "--policy", "round_robin"]  # fmt: skip
         for p in prefills:
