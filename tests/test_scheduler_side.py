@@ -358,6 +358,26 @@ def test_behind_a_router_the_prefill_stages_in_its_decode_peers_format():
             sched.connector.shutdown()
 
 
+def test_n_above_one_is_refused_by_name(prefill):
+    """vLLM splits ``n = 2`` into two requests, "0_<id>" and "1_<id>", before the engine: the
+    prefill stages neither and each gets an error naming the problem, which a decode takes
+    as a failed load (kv_load_failure_policy); a plain request beside them stages."""
+    for rid in ("0_cmpl-n2", "1_cmpl-n2", "cmpl-n1"):
+        prefill.add_request(make_request(rid, 40, {"do_remote_decode": True}))
+    params, saved = {}, set()
+    for _ in range(50):
+        out, outputs = step(prefill)
+        saved |= {s.request_id for s in meta(out).saves}
+        params |= {r: p for r in ("0_cmpl-n2", "1_cmpl-n2", "cmpl-n1")
+                   if (p := params_of(outputs, r)) is not None}  # fmt: skip
+        if len(params) == 3:
+            break
+    assert saved == {"cmpl-n1"}
+    for rid in ("0_cmpl-n2", "1_cmpl-n2"):
+        assert "n > 1" in params[rid]["error"] and not params[rid]["do_remote_prefill"]
+    assert params["cmpl-n1"]["do_remote_prefill"] is True
+
+
 def test_decode_peers_must_be_host_and_port():
     with pytest.raises(ValueError, match="decode_peers"):
         parse_config({"decode_peers": ["127.0.0.1"]})

@@ -6,6 +6,7 @@ chunk, and the ticket when the request finishes (its staging is freed by
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(f"vllm.{__name__}")
+
+# vLLM runs a request with n > 1 as n requests named "<index>_<parent id>"
+# (`parallel_sampling.get_child_info`); a router hands the decode one of their tickets.
+SAMPLING_CHILD = re.compile(r"\d+_")
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class PrefillHandoffs:
         asks again next step, other requests go on), each bounded."""
         rid, now = request.request_id, time.monotonic()
         out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
+        if out.target is None and out.error is None and SAMPLING_CHILD.match(rid):
+            out.error = "n > 1 with do_remote_decode is not supported: send n = 1 per request"
+            logger.error("QAICConnector: request %s: %s", rid, out.error)
         if out.offset is not None or out.error is not None:
             return 0, False
         if out.target is None:
