@@ -116,7 +116,12 @@ P_PORT=${P_PORTS[0]}; D_PORT=${D_PORTS[0]}; D_KV_PORT=${D_KV_PORTS[0]}
 next_port; X_PORT=$NEXT_PORT
 # STAGE_AT=prefill: the proxy names the decode, so the prefill stages in its layout.
 # STAGE_AT=decode: the prefill stages in its own layout and the decode converts.
-STAGE_AT=${STAGE_AT:-prefill}
+# ROUTER=proxy: the project's proxy in front. ROUTER=vllm-router: vLLM's Rust P/D router
+# (vllm-router 0.1.17, test extras) on the same port; it names no decode, so the prefill
+# stages in its own layout (STAGE_AT=decode) unless decode_peers tells it otherwise.
+ROUTER=${ROUTER:-proxy}
+case "$ROUTER" in proxy|vllm-router) ;; *) echo "[harness] ROUTER=$ROUTER: proxy or vllm-router"; exit 2;; esac
+if [ "$ROUTER" = vllm-router ]; then STAGE_AT=${STAGE_AT:-decode}; else STAGE_AT=${STAGE_AT:-prefill}; fi
 export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONUNBUFFERED=1
 
@@ -194,7 +199,16 @@ for j in "${!D_PORTS[@]}"; do
 done
 PROXY_ARGS+=(--decode "${DECODE_URLS[@]}")
 [ "$STAGE_AT" = prefill ] && PROXY_ARGS+=(--decode-kv "${DECODE_KVS[@]}")
-"${OWN_GROUP[@]}" "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+if [ "$ROUTER" = vllm-router ]; then
+  ROUTER_BIN="$(dirname "$PY")/vllm-router"; [ -x "$ROUTER_BIN" ] || ROUTER_BIN=$(command -v vllm-router || true)
+  [ -n "$ROUTER_BIN" ] || { echo "[harness] vllm-router is not installed (scripts/setup_env.sh brings it)"; exit 1; }
+  ROUTER_ARGS=(--vllm-pd-disaggregation --host 127.0.0.1 --port "$X_PORT" --policy round_robin)
+  for port in "${P_PORTS[@]}"; do ROUTER_ARGS+=(--prefill "http://127.0.0.1:$port"); done
+  for url in "${DECODE_URLS[@]}"; do ROUTER_ARGS+=(--decode "$url"); done
+  "${OWN_GROUP[@]}" "$ROUTER_BIN" "${ROUTER_ARGS[@]}" >"$RUN_DIR/router.log" 2>&1 &
+else
+  "${OWN_GROUP[@]}" "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+fi
 PIDS+=($!)
 
 wait_ready() {  # name port
@@ -210,7 +224,7 @@ wait_ready() {  # name port
 }
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
-wait_ready proxy "$X_PORT"
+wait_ready "$ROUTER" "$X_PORT"
 
 run_prompts() {  # label url out num_prompts [extra args]
   "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
