@@ -221,3 +221,22 @@ def test_mamba_hybrid_model_negative_control_fails(mamba_model):
     )  # fmt: skip
     assert rc != 0 and "corrupted KV was detected" in out
     assert float(last_line(out).group(3)) < 50.0  # zeroed KV and state: answers diverge
+
+
+def test_behind_the_real_vllm_router():
+    """vLLM's own Rust P/D router (`vllm-router`, test extras) in front instead of the proxy:
+    it sends the prefill `max_tokens: 1` and copies its `kv_transfer_params` whole into the
+    decode leg, names no decode and takes no first token from the prefill, so the prefill
+    stages in its own layout and the decode computes its first token. Every answer agrees
+    with the aggregated server, every request (16 and the 3 lone ones) loads transferred KV,
+    and both servers' KV usage is back to 0 after the run (the harness's leak gate)."""
+    rc, out = harness_leaves_nothing(ROUTER="vllm-router", NUM_PROMPTS="16", CONCURRENCY="8")
+    m = last_line(out)
+    assert rc == 0, "harness gates failed"
+    assert float(m.group(3)) == 100.0 and m.group(4) == "16" and m.group(5) == "shm"
+    assert "vllm-router ready" in out
+    loads = re.search(r"loaded_requests=(\d+) .*load_failures=(\d+)", out)
+    assert loads, out[-2000:]
+    assert int(loads.group(1)) == 19 and int(loads.group(2)) == 0
+    for usage in re.findall(r"KV cache usage after the run: (\S+)", out):
+        assert float(usage) == 0.0
