@@ -36,6 +36,7 @@ import requests
 
 from tests import proxy_clients
 from tests.live_servers import (
+    ROUTER_PARAMS,
     LiveRun,
     Server,
     Streamed,
@@ -73,10 +74,6 @@ LOAD_SECONDS = "vllm:qaic_kv_load_seconds_count"  # histogram samples
 SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
 READS = "vllm:qaic_kv_read_descriptors_total"
 HANDSHAKES = "vllm:qaic_kv_handshakes_total"
-SIDECAR_PARAMS = {  # what llm-d's sidecar and vLLM's router send a prefill
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}  # fmt: skip
 DIRECT = "vllm:qaic_kv_direct_reads_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 WAITING = "vllm:num_requests_waiting"
@@ -754,7 +751,7 @@ class TestShm:
         client = {**completion_body(prompt), "stream": True,
                   "stream_options": {"include_usage": True}}  # fmt: skip
         prefill_leg = {k: v for k, v in client.items() if k != "stream_options"}
-        prefill_leg.update(stream=False, max_tokens=1, kv_transfer_params=SIDECAR_PARAMS)
+        prefill_leg.update(stream=False, max_tokens=1, kv_transfer_params=ROUTER_PARAMS)
         r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg,
                           headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
         assert r.status_code == 200, r.text[:300]

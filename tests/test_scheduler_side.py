@@ -8,6 +8,7 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
+from tests.live_servers import ROUTER_PARAMS
 from tests.ranks import rank_meta
 from tests.vllm_harness import make_request, make_scheduler, step
 from vllm_qaic_connector import side_channel
@@ -311,13 +312,6 @@ def test_prefill_stages_in_the_named_decodes_format(decode):
         assert params["staged_layout"] == "LBHNC" and params["staged_block_size"] == 64
     finally:
         sched.connector.shutdown()
-
-
-# What vLLM's router (and llm-d's sidecar) send a prefill: NixlConnector's fields, no decode.
-ROUTER_PARAMS = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}  # fmt: skip
 
 
 def staged_format(sched, rid: str) -> tuple[str, int]:
