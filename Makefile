@@ -14,6 +14,7 @@ lint: setup
 	$(PY) -m ruff check vllm_qaic_connector emulator tests scripts benchmarks
 	$(PY) -m mypy
 	.venv/bin/lint-imports
+	$(PY) scripts/check_docs.py
 
 unit: setup
 	$(PY) -m pytest -q tests --ignore=tests/test_accuracy_harness.py

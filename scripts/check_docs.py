@@ -1,0 +1,73 @@
+"""Docs check, run by `make lint`. Exits 1 naming each problem:
+
+- README.md is over 200 lines (it is a guide; the rest lives in docs/);
+- a relative link in README.md or docs/*.md points at a file that does not exist (anchors are
+  ignored, and so are links inside fenced code blocks);
+- the module map of docs/architecture.md (its "## Module map" section) misses a module of
+  the package or names one that does not exist. A module is named as the first cell of a
+  table row, in backticks, by its dotted path relative to the package:
+  `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py. Every
+  vllm_qaic_connector/**/*.py counts except __init__.py and __main__.py.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "vllm_qaic_connector"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAX_README_LINES = 200
+LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
+MAP_ROW = re.compile(r"^\|\s*`([\w.]+)`")
+URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def readme_length() -> list[str]:
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    if lines > MAX_README_LINES:
+        return [f"README.md has {lines} lines, more than {MAX_README_LINES}: move detail to docs/"]
+    return []
+
+
+def broken_links() -> list[str]:
+    problems = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target in LINK.findall(text):
+            path = target.split("#", 1)[0]
+            if not path or URL.match(target):
+                continue  # an anchor in the same page, or a URL
+            if not (page.parent / path).exists():
+                problems.append(f"{page.relative_to(ROOT)}: link to {target}: no such file")
+    return problems
+
+
+def module_map() -> list[str]:
+    modules = {
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+        for p in PACKAGE.rglob("*.py")
+        if p.name not in ("__init__.py", "__main__.py")
+    }
+    where = ARCHITECTURE.relative_to(ROOT)
+    if not ARCHITECTURE.exists() or "\n## Module map" not in ARCHITECTURE.read_text():
+        return [f"{where}: no '## Module map' section"]
+    section = ARCHITECTURE.read_text().split("\n## Module map", 1)[1].split("\n## ", 1)[0]
+    named = {m.group(1) for line in section.splitlines() if (m := MAP_ROW.match(line))}
+    return [f"{where}: the module map lacks {m}" for m in sorted(modules - named)] + [
+        f"{where}: the module map names {m}, which is not a module of the package"
+        for m in sorted(named - modules)
+    ]
+
+
+def main() -> int:
+    problems = readme_length() + broken_links() + module_map()
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
