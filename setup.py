@@ -7,8 +7,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "vllm_qaic_connector._stream_copy",
-            ["vllm_qaic_connector/_stream_copy.c"],
+            "vllm_qaic_connector.kv._stream_copy",
+            ["vllm_qaic_connector/kv/_stream_copy.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )

@@ -39,12 +39,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat  # noqa: E402
-from vllm_qaic_connector.qaic_slot_pull import SlotPuller  # noqa: E402
-from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget  # noqa: E402
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat  # noqa: E402
+from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
+from vllm_qaic_connector.qaic.slot_pull import SlotPuller  # noqa: E402
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget  # noqa: E402
 from vllm_qaic_connector.tickets import HEADER_BYTES, seal  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
-from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
 
 SIZES = [64 << 10, 1 << 20, 64 << 20, 256 << 20]
 STAGING = (256 << 20) + (1 << 20)  # the NIXL read rows; the staged slot request follows it

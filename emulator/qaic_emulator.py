@@ -28,18 +28,12 @@ from tokenizers.decoders import DecodeStream
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from vllm.logger import init_logger
 
-from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.config import KEY_ENV, load_key
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
-from vllm_qaic_connector.peers import PeerDirectory
-from vllm_qaic_connector.qaic_buffers import apply_prefix
-from vllm_qaic_connector.qaic_slot_pull import SlotPuller
-from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget, torch_dtype
-from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
-from vllm_qaic_connector.transports import create_transport, staging_name
-from vllm_qaic_connector.transports.nixl import NixlTransport
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
+from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
     HandshakeReply,
@@ -53,6 +47,12 @@ from vllm_qaic_connector.wire import (
     parse_remote_prefill,
     ticket_problem,
 )
+from vllm_qaic_connector.qaic.buffers import apply_prefix
+from vllm_qaic_connector.qaic.slot_pull import SlotPuller
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, torch_dtype
+from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
+from vllm_qaic_connector.transports import create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 
 logger = init_logger(__name__)
 T = TypeVar("T")

@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
-from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
 
 SIZE = (12 << 20) + 4099  # odd, so the last range ends off any alignment
 SEED = 1234

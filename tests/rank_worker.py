@@ -9,15 +9,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_qaic_connector import request_saves, worker_side
 from vllm_qaic_connector.config import parse_config
-from vllm_qaic_connector.kv_groups import KVGroup
-from vllm_qaic_connector.layout import KVGeometry, VllmPagedLayout, gather_tokens, get_layout
+from vllm_qaic_connector.kv.kv_groups import KVGroup
+from vllm_qaic_connector.kv.layout import KVGeometry, VllmPagedLayout, gather_tokens, get_layout
+from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.this_rank import RankIdentity
-from vllm_qaic_connector.tp_mapping import heads_of_rank
-from vllm_qaic_connector.worker_side import WorkerSide
+from vllm_qaic_connector.worker import request_saves, worker_side
+from vllm_qaic_connector.worker.this_rank import RankIdentity
+from vllm_qaic_connector.worker.worker_side import WorkerSide
 
 HEAD, LAYERS, NUM_BLOCKS = 32, 2, 24
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_qaic_connector.protocol.wire import RankMetadata, TransportEndpoint, compat_hash
 from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.wire import RankMetadata, TransportEndpoint, compat_hash
 
 
 def rank_meta(**over: Any) -> RankMetadata:

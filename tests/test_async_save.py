@@ -14,7 +14,12 @@ import torch
 
 from tests.rank_worker import make_worker
 from vllm_qaic_connector import tickets
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, gather_tokens
+from vllm_qaic_connector.kv.layout import (
+    KVGeometry,
+    StagingFormat,
+    blocks_for_tokens,
+    gather_tokens,
+)
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
@@ -89,7 +94,7 @@ def test_a_promise_for_another_generation_or_abandoned_fails_at_once(pair, monke
 
 
 def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save(monkeypatch):
-    from vllm_qaic_connector import request_saves
+    from vllm_qaic_connector.worker import request_saves
 
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)  # every save is "large"
     args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
@@ -137,7 +142,7 @@ def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatc
     stages them before the step returns (sealed, no promise: the thread hand-off would
     cost more than the copy); a larger one still goes to the save thread. Either way the
     staged bytes are the cache's and vLLM gets the blocks back once the save is done."""
-    from vllm_qaic_connector import request_saves
+    from vllm_qaic_connector.worker import request_saves
 
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", inline_bytes)
     args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")

@@ -20,10 +20,11 @@ import zmq
 from tests.ranks import rank_meta
 from tests.test_scheduler_side import BS, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
-from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.config import KEY_ENV, load_key, parse_config
-from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
     Envelope,
     ErrorReply,
     Message,

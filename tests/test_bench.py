@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vllm_qaic_connector import bench, copy_pool, direct_reads
-from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
+from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
 ROOT = Path(__file__).resolve().parent.parent

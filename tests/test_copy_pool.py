@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from vllm_qaic_connector import copy_pool
-from vllm_qaic_connector.copy_pool import CopyPool
+from vllm_qaic_connector.kv import copy_pool
+from vllm_qaic_connector.kv.copy_pool import CopyPool
 
 
 @pytest.fixture

@@ -17,28 +17,28 @@ from tests.rank_worker import vllm_kv_caches
 from tests.ranks import rank_meta
 from tests.test_scheduler_side import free_blocks, meta, params_of
 from tests.vllm_harness import make_request, make_scheduler, step
-from vllm_qaic_connector import direct_reads, side_channel
-from vllm_qaic_connector.copy_pool import CopyPool
-from vllm_qaic_connector.direct_reads import (
-    DirectReader,
-    PeerCache,
-    cache_endpoint,
-    host_identity,
-    plan_cache_reads,
-    register_kv_cache,
-    share_kv_cache,
-)
-from vllm_qaic_connector.layout import KVGeometry, block_runs, gather_tokens, get_layout
-from vllm_qaic_connector.tickets import new_incarnation
-from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.transports.nixl import NixlTransport
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.kv.layout import KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     ReleaseRequest,
     SharedCache,
     TransportEndpoint,
     direct_problem,
+)
+from vllm_qaic_connector.tickets import new_incarnation
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.transports.shared_cache import host_identity
+from vllm_qaic_connector.transports.shm import move_into_shm
+from vllm_qaic_connector.worker import direct_reads
+from vllm_qaic_connector.worker.direct_reads import (
+    DirectReader,
+    PeerCache,
+    cache_endpoint,
+    plan_cache_reads,
 )
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
@@ -62,7 +62,7 @@ def test_block_runs_merge_blocks_consecutive_on_both_sides():
 
 
 def test_layers_of_separate_storages_are_not_shared():
-    assert share_kv_cache([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
+    assert move_into_shm([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
 
 
 @pytest.mark.parametrize("kind", ["vllm_cpu", "LBNHC", "LBHNC"])
@@ -70,7 +70,7 @@ def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_pat
     """Moved into shm in place: vLLM's views of the cache (made before the move) write into
     it, and a second process maps it through /proc and copies the blocks it was named."""
     raw, layers = vllm_like_cache(kind)
-    cache = share_kv_cache(layers)
+    cache = move_into_shm(layers)
     assert cache is not None and raw.untyped_storage().is_shared()
     gen = torch.Generator().manual_seed(7)
     for t in layers:  # written after the move, through views made before it
@@ -80,10 +80,10 @@ def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_pat
     out = tmp_path / "copied.pt"
     script = f"""
 import torch, msgspec
-from vllm_qaic_connector.copy_pool import CopyPool
-from vllm_qaic_connector.direct_reads import DirectReader
-from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
-from vllm_qaic_connector.wire import SharedCache
+from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.worker.direct_reads import DirectReader
+from vllm_qaic_connector.kv.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.protocol.wire import SharedCache
 cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
 geo = KVGeometry(2, 32, 16, torch.float16)
 layout = get_layout({kind!r})
@@ -109,7 +109,7 @@ def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     """Out of the mapped cache (16-token blocks) into HND 8-token blocks, from a token
     inside a block: every layer's tokens equal, with one layer or several (two threads)."""
     _, prefill = vllm_like_cache(kind)
-    cache = share_kv_cache(prefill)
+    cache = move_into_shm(prefill)
     assert cache is not None
     gen = torch.Generator().manual_seed(11)
     for t in prefill:
@@ -138,13 +138,13 @@ def test_a_cache_that_would_not_fit_twice_in_dev_shm_stays_put(monkeypatch, capl
     room = os.statvfs("/dev/shm")
     small = os.statvfs_result((*room[:4], raw.numel() // room.f_frsize, *room[5:]))
     monkeypatch.setattr(direct_reads.os, "statvfs", lambda path: small)
-    assert share_kv_cache(layers) is None
+    assert move_into_shm(layers) is None
     assert not raw.untyped_storage().is_shared() and "stage instead" in caplog.text
 
 
 def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
     _, layers = vllm_like_cache("vllm_cpu")
-    cache = share_kv_cache(layers)
+    cache = move_into_shm(layers)
     assert cache is not None
     layout = get_layout("vllm_cpu")
     bad_path = msgspec.structs.replace(cache, path="/dev/shm/someone_elses")
@@ -167,7 +167,7 @@ def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
 def test_block_ids_outside_either_cache_are_refused():
     """The copy goes by address: an id past either cache would read or write outside it."""
     _, layers = vllm_like_cache("vllm_cpu")
-    cache = share_kv_cache(layers)
+    cache = move_into_shm(layers)
     assert cache is not None
     reader = DirectReader(CopyPool())
     peer = reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
@@ -188,10 +188,10 @@ def test_the_cache_of_a_prefill_that_died_is_unmapped():
     would keep the dead prefill's whole KV cache in memory) at its next step."""
     script = """
 import time, msgspec, torch
-from vllm_qaic_connector.direct_reads import share_kv_cache
+from vllm_qaic_connector.transports.shm import move_into_shm
 raw = torch.zeros(3 * 12 * 2 * 16 * 64, dtype=torch.float16)
 layers = [t.view(12, 2, 16, 64) for t in raw.view(3, -1)]
-print(msgspec.json.encode(share_kv_cache(layers)).decode(), flush=True)
+print(msgspec.json.encode(move_into_shm(layers)).decode(), flush=True)
 time.sleep(300)
 """
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -262,8 +262,8 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     prefill = NixlTransport(staging_name("p", 0, inc), 1 << 16)
     decode = NixlTransport(staging_name("d", 0, inc), 1 << 16)
     try:
-        cache = register_kv_cache(prefill_layers, prefill)
-        assert cache is not None and register_kv_cache(decode_layers, decode) is not None
+        cache = prefill.share_kv_cache(prefill_layers, True)
+        assert cache is not None and decode.share_kv_cache(decode_layers, False) is not None
         runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
         # 6 runs of blocks adjacent on both sides, per layer (K and V share a block in both);
         # cross-layer, the layers of those blocks are one run too

@@ -56,7 +56,7 @@ from tests.live_servers import (
     token_ids,
     wait_all_ready,
 )
-from vllm_qaic_connector.config import KEY_ENV
+from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.tickets import prompt_hash
 
 T = TypeVar("T")

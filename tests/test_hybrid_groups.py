@@ -14,7 +14,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from tests.ranks import rank_meta
 from tests.test_scheduler_side import meta, params_of, remote_params
 from tests.vllm_harness import make_request, make_scheduler, step
-from vllm_qaic_connector.kv_groups import KVGroup, staged_starts, tokens_to_load, window_start
+from vllm_qaic_connector.kv.kv_groups import KVGroup, staged_starts, tokens_to_load, window_start
 
 BS, WINDOW = 16, 32
 

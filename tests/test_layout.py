@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.rank_worker import vllm_kv_caches
-from vllm_qaic_connector.byte_runs import ByteRun, merge_runs, plan_slot_reads
-from vllm_qaic_connector.layout import (
+from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
+from vllm_qaic_connector.kv.layout import (
     LAYOUTS,
     VLLM_ORDERS,
     HeadRange,
@@ -21,7 +21,7 @@ from vllm_qaic_connector.layout import (
     get_layout,
     plan_token_runs,
 )
-from vllm_qaic_connector.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op
+from vllm_qaic_connector.kv.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op
 
 HEADS, HEAD = 2, 32
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_qaic_connector.loader import Loader, LoadTimeout, WriteGate
+from vllm_qaic_connector.worker.loader import Loader, LoadTimeout, WriteGate
 
 
 class Peers:
@@ -124,9 +124,9 @@ def test_wait_returns_when_these_loads_are_done_or_at_its_bound():
 def test_a_load_parked_on_a_handshake_starts_when_it_resolves_with_no_engine_step():
     """A lone request to an idle engine: nothing calls the loader again (no step, no other
     load), so the handshake's resolution itself must start the parked load."""
-    from vllm_qaic_connector.peers import PeerDirectory
-    from vllm_qaic_connector.side_channel import SideChannelServer
-    from vllm_qaic_connector.wire import ErrorReply, Message
+    from vllm_qaic_connector.protocol.peers import PeerDirectory
+    from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+    from vllm_qaic_connector.protocol.wire import ErrorReply, Message
 
     def slow_peer(_: Message) -> Message:
         time.sleep(0.5)  # a peer that takes its time: the load parks first

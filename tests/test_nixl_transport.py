@@ -25,8 +25,8 @@ pytest.importorskip("nixl")
 from tests.netns import rx_bytes, veth_link
 from tests.nixl_peer import RANGES, SEED, SIZE, decode, encode, pattern  # noqa: E402
 from tests.rank_worker import make_worker  # noqa: E402
+from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
-from vllm_qaic_connector.wire import TransportEndpoint  # noqa: E402
 
 PEER = Path(__file__).resolve().parent / "nixl_peer.py"
 PID = os.getpid()

@@ -20,11 +20,11 @@ import pytest
 from aiohttp import web
 
 from tests.ports import free_port
-from vllm_qaic_connector import first_token
-from vllm_qaic_connector.proxy import Proxy, prefill_body, unsupported
-from vllm_qaic_connector.proxy_routing import LeastOutstanding, Router
-from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.wire import Message, Ok, ReleaseRequest
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
+from vllm_qaic_connector.proxy import first_token
+from vllm_qaic_connector.proxy.routing import LeastOutstanding, Router
+from vllm_qaic_connector.proxy.server import Proxy, prefill_body, unsupported
 
 PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [

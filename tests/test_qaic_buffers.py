@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_qaic_connector.qaic_buffers import (
+from vllm_qaic_connector.qaic.buffers import (
     apply_prefix,
     kv_buffer_regex,
     parse_kv_name,

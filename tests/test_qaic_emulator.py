@@ -20,14 +20,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
 from tests.test_accuracy_harness import harness, last_line
-from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
-from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
-from vllm_qaic_connector.transports import create_transport, staging_name
-from vllm_qaic_connector.transports.nixl import NixlTransport
-from vllm_qaic_connector.transports.shm import SHM_DIR
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -38,6 +34,10 @@ from vllm_qaic_connector.wire import (
     RemotePrefill,
     compat_hash,
 )
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
+from vllm_qaic_connector.transports import create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.transports.shm import SHM_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = str(ROOT / "models" / "tiny-copy")

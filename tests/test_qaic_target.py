@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
-from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
 H, CTX, D = 2, 16, 8

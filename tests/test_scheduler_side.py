@@ -11,13 +11,14 @@ from vllm.v1.request import RequestStatus
 from tests.live_servers import ROUTER_PARAMS
 from tests.ranks import rank_meta
 from tests.vllm_harness import make_request, make_scheduler, step
-from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.config import KEY_ENV, parse_config
-from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
-from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.keys import KEY_ENV
+from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
 )
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
+from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
 
 BS = 16
 
@@ -461,7 +462,7 @@ def test_released_regions_are_invalidated_at_the_next_step(prefill):
 def test_staging_freed_only_after_every_read_pair(heads, src_tp, dst_tp):
     """NIXL acknowledgements, one per (decode rank, prefill rank) read, fed one at a time
     through update_connector_output: the staging goes with the last needed one."""
-    from vllm_qaic_connector.tp_mapping import head_sources
+    from vllm_qaic_connector.kv.tp_mapping import head_sources
 
     sched = make_scheduler("kv_producer", BS)
     side = sched.connector.scheduler
@@ -601,9 +602,9 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
     """A request that waited with a verified ticket (for blocks, in the queue) and was then
     aborted: the prefill hears at once, instead of holding the staging for lease_s."""
     from vllm_qaic_connector.config import parse_config
-    from vllm_qaic_connector.decode_loads import DecodeLoads
-    from vllm_qaic_connector.side_channel import SideChannelServer
-    from vllm_qaic_connector.wire import Message, Ok
+    from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+    from vllm_qaic_connector.protocol.wire import Message, Ok
+    from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
 
     released: list[str] = []
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
 from vllm_qaic_connector.transports import create_transport
 from vllm_qaic_connector.transports.shm import SHM_DIR
-from vllm_qaic_connector.wire import TransportEndpoint
 
 SIZE = 1 << 20
 

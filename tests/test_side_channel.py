@@ -7,10 +7,10 @@ import pytest
 import zmq
 
 from tests.ranks import rank_meta
-from vllm_qaic_connector import side_channel
-from vllm_qaic_connector.peers import RETRY_AFTER_S, PeerDirectory, check_ranks
-from vllm_qaic_connector.side_channel import MAX_MESSAGE_BYTES, SideChannelServer
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.peers import RETRY_AFTER_S, PeerDirectory, check_ranks
+from vllm_qaic_connector.protocol.side_channel import MAX_MESSAGE_BYTES, SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     ErrorReply,
     HandshakeReply,

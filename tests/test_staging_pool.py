@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_qaic_connector.staging import StagingPool
+from vllm_qaic_connector.scheduler.staging import StagingPool
 
 PAGE = 4096
 

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_qaic_connector import layout, stream_copy
-from vllm_qaic_connector.byte_runs import BlockExtents, block_ranges
-from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.kv import layout, stream_copy
+from vllm_qaic_connector.kv.byte_runs import BlockExtents, block_ranges
+from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, block_runs, gather_tokens, get_layout
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
 
 
 def test_the_extension_is_built():
     """`make setup` compiles it; without it every copy is a memmove per range."""
-    assert stream_copy.NATIVE, "vllm_qaic_connector._stream_copy was not built (C compiler?)"
+    assert stream_copy.NATIVE, "vllm_qaic_connector.kv._stream_copy was not built (C compiler?)"
 
 
 @pytest.mark.parametrize("native", [True, False])

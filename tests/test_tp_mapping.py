@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_qaic_connector.tp_mapping import head_sources, heads_of_rank
+from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from tests.live_servers import (
     poll_until,
     wait_all_ready,
 )
-from vllm_qaic_connector.config import KEY_ENV
+from vllm_qaic_connector.protocol.keys import KEY_ENV
 
 ROUTER = Path(PY).parent / "vllm-router"
 LOADED = "vllm:qaic_kv_loaded_requests_total"

@@ -12,8 +12,8 @@ import pytest
 
 from tests.ranks import rank_meta
 from vllm_qaic_connector.config import parse_config
-from vllm_qaic_connector.side_channel import SideChannelServer, call
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer, call
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,

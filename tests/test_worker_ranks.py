@@ -15,15 +15,12 @@ import numpy as np
 import pytest
 
 from tests.rank_worker import HEAD, LAYERS, decode_rank, hybrid_groups, make_worker, prefill_rank
-from vllm_qaic_connector.kv_groups import kept_start, load_starts, staged_starts, tokens_to_load
-from vllm_qaic_connector.layout import blocks_for_tokens
-from vllm_qaic_connector.peers import PeerDirectory, check_ranks
-from vllm_qaic_connector.side_channel import SideChannelServer
-from vllm_qaic_connector.step_metadata import LoadSpec, SaveSpec
-from vllm_qaic_connector.tp_mapping import heads_of_rank
-from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.transports.shm import SHM_DIR
-from vllm_qaic_connector.wire import (
+from vllm_qaic_connector.kv.kv_groups import kept_start, load_starts, staged_starts, tokens_to_load
+from vllm_qaic_connector.kv.layout import blocks_for_tokens
+from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
+from vllm_qaic_connector.protocol.peers import PeerDirectory, check_ranks
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -33,6 +30,9 @@ from vllm_qaic_connector.wire import (
     RemotePrefill,
     TransportEndpoint,
 )
+from vllm_qaic_connector.step_metadata import LoadSpec, SaveSpec
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.transports.shm import SHM_DIR
 
 # A rank is a process of its own, as in vLLM, but forked from a server that has imported
 # the worker once: a spawned one spends ~14 s of CPU importing vLLM and torch here.
@@ -363,7 +363,7 @@ def test_handshake_naming_a_segment_not_its_own_is_refused(twins, target):
         assert directory.answered("127.0.0.1", server.port)  # it replied; we refused it
     finally:
         server.close()
-    want = f"rank 0 endpoint.address {address!r} is not the segment its handshake implies"
+    want = f"rank 0 endpoint.address {address!r} is not the name its handshake implies"
     assert want in str(refused.value) and me.endpoint.address in str(refused.value)
 
 
@@ -378,8 +378,9 @@ def test_check_ranks_names_unsafe_engine_ids_incarnations_and_nixl_agents(twins)
         "incarnation 'FEEDFACEFEEDFACE' is not 16": msgspec.structs.replace(
             me, incarnation="FEEDFACEFEEDFACE"
         ),
-        "endpoint.address 'nope' is not agent@0xbase": _with_address(me, "nope", "nixl"),
-        f"is not the agent its handshake implies ({own!r})": _with_address(
+        "endpoint.address 'x@nope' is not name[@0xbase]": _with_address(me, "x@nope", "nixl"),
+        "endpoint.address 'nope' is not the name": _with_address(me, "nope", "nixl"),
+        f"is not the name its handshake implies ({own!r})": _with_address(
             me, f"{staging_name('victim', 0, me.incarnation)}@0x1000", "nixl"
         ),
     }

@@ -39,23 +39,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from vllm_qaic_connector.copy_pool import CopyPool
-from vllm_qaic_connector.direct_reads import (
-    DirectReader,
-    cache_endpoint,
-    plan_cache_reads,
-    register_kv_cache,
-    share_kv_cache,
-)
-from vllm_qaic_connector.layout import (
+from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.kv.layout import (
     KVGeometry,
     StagingFormat,
     blocks_for_tokens,
     gather_tokens,
     get_layout,
 )
-from vllm_qaic_connector.qaic_slot_pull import SlotPuller
-from vllm_qaic_connector.qaic_target import BufferSpec, Manifest, SlotTarget
+from vllm_qaic_connector.qaic.slot_pull import SlotPuller
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
     RegionHeaders,
@@ -64,7 +57,11 @@ from vllm_qaic_connector.tickets import (
     new_incarnation,
 )
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
-from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.worker.direct_reads import (
+    DirectReader,
+    cache_endpoint,
+    plan_cache_reads,
+)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 Cache = tuple[list[KV], list[int]]  # canonical views of each layer, the request's block ids
@@ -235,9 +232,11 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     dst = [get_layout(path.decode[0]).kv_views(t, ours) for t in decode_layers]
     owner, reader = transports(path.transport, HEADER_BYTES, stack)
     headers = RegionHeaders(owner.staging)
-    if isinstance(reader, NixlTransport):
-        cache = register_kv_cache(prefill_layers, owner)
-        assert cache is not None and register_kv_cache(decode_layers, reader)
+    shared = owner.share_kv_cache(prefill_layers, produces=True)
+    assert shared is not None
+    if not shared.mapped:
+        cache = shared
+        assert reader.share_kv_cache(decode_layers, produces=False)
         region = cache_endpoint(owner.endpoint(), cache)  # its metadata covers the cache
 
         def move() -> None:
@@ -245,8 +244,7 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, blocks))
 
     else:
-        shared, direct = share_kv_cache(prefill_layers), DirectReader(copies(stack))
-        assert shared is not None
+        direct = DirectReader(copies(stack))
         stack.callback(direct.close)
         mapped = direct.peer("bench/0", shared, layout, geo)
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
-import stat
+from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
 
+from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
+
 PREFIX_RE = re.compile(r"[A-Za-z0-9]+")  # ASCII only: it becomes part of buffer names
-KEY_ENV = "QAIC_KV_SIDE_CHANNEL_KEY"
-MIN_KEY_BYTES = 16
 
 
-class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ConnectorConfig(
+    msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, dict=True
+):
     """``kv_connector_extra_config`` of ``--kv-transfer-config``. README lists every key."""
 
     transport: Literal["shm", "nixl"] = "shm"
@@ -93,8 +94,9 @@ class ConnectorConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
     def num_staging_pages(self) -> int:
         return self.staging_bytes // self.staging_page_bytes
 
-    @property
+    @cached_property
     def shared_key(self) -> bytes | None:
+        """Read once: `parse_config` reads it first, so a bad key fails start-up by name."""
         return load_key(self.side_channel_key_file)
 
 
@@ -105,33 +107,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a name: it may resolve anywhere
-
-
-def load_key(key_file: str | None) -> bytes | None:
-    """The shared key, from ``key_file`` or the environment; never logged. Raises ValueError
-    naming the problem (never the key)."""
-    if key_file is None:
-        key, where = os.environ.get(KEY_ENV, "").encode(), f"${KEY_ENV}"
-    else:
-        try:
-            fd = os.open(key_file, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            raise ValueError(f"side_channel_key_file {key_file!r}: {exc.strerror}") from None
-        with os.fdopen(fd, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise ValueError(
-                    f"side_channel_key_file {key_file!r} is open to other users "
-                    f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it"
-                )
-            key, where = f.read().strip(), f"side_channel_key_file {key_file!r}"
-        if not key:
-            raise ValueError(f"{where} is empty")
-    if not key:
-        return None
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"the key in {where} is shorter than {MIN_KEY_BYTES} bytes")
-    return key
 
 
 def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:

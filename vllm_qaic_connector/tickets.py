@@ -21,12 +21,15 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from vllm_qaic_connector.transports.base import KVTransport
-from vllm_qaic_connector.wire import TransportEndpoint
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
+
+if TYPE_CHECKING:  # any transport: the scheduler half imports this module too
+    from vllm_qaic_connector.transports.base import KVTransport
 
 HEADER_BYTES = 64  # keeps the KV after it cache-line aligned
 MAGIC = 0x3130564B43494151  # b"QAICKV01", little-endian

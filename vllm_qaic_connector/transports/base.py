@@ -5,17 +5,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
-from vllm_qaic_connector.wire import TransportEndpoint
+from vllm_qaic_connector.kv.byte_runs import ByteRun
+from vllm_qaic_connector.protocol.wire import SharedCache, TransportEndpoint, staging_name
 
-
-def staging_name(engine_id: str, tp_rank: int, incarnation: str) -> str:
-    """The shm segment (or NIXL agent) of one rank. The random incarnation makes it
-    unguessable; peers check a handshake's endpoint against it (`peers.check_ranks`)."""
-    return f"qaic_kv_{engine_id}_r{tp_rank}_{incarnation}"
+__all__ = ["KVTransport", "staging_name"]
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14; Python 3.11's mmap module does not name it
@@ -50,6 +48,25 @@ class KVTransport(ABC):
     # True when a read can carry a message that the peer receives (`poll_notifications`);
     # otherwise readers acknowledge over the side channel.
     delivers_notifications: ClassVar[bool] = False
+    # The config key that lets decodes read a prefill's KV cache directly (`share_kv_cache`).
+    direct_reads_key: ClassVar[str]
+
+    def share_kv_cache(self, layers: Sequence[torch.Tensor], produces: bool) -> SharedCache | None:
+        """Make vLLM's KV cache (``layers``) readable by peers, or writable by our reads;
+        its description travels in the handshake. None where this transport cannot."""
+        return None
+
+    def read_into(
+        self,
+        peer: TransportEndpoint,
+        runs: Sequence[ByteRun],
+        *,
+        base_offset: int = 0,
+        notify: bytes | None = None,
+    ) -> int:
+        """Peer region ``[base_offset + run.src, +nbytes)`` straight into local address
+        ``run.dst`` (memory shared with `share_kv_cache`), where the transport can."""
+        raise ConnectionError(f"the {self.kind} transport cannot read into registered memory")
 
     @abstractmethod
     def read(

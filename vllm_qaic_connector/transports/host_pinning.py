@@ -5,11 +5,11 @@ range that was unmapped, where a later mapping could land and be read through st
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger(f"vllm.{__name__}")
+from vllm_qaic_connector.logs import get_logger
+
+logger = get_logger(__name__)
 
 READ_ONLY = 8  # cudaHostRegisterReadOnly: a peer's segment is mapped without write access
 

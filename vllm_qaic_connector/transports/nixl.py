@@ -23,7 +23,6 @@ still follows the last byte: UCX sends it once every part is done.
 from __future__ import annotations
 
 import bisect
-import logging
 import mmap
 import threading
 import time
@@ -32,12 +31,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from vllm_qaic_connector.byte_runs import ByteRun
-from vllm_qaic_connector.stream_copy import copy_threads
+from vllm_qaic_connector.kv.byte_runs import ByteRun
+from vllm_qaic_connector.kv.stream_copy import copy_threads
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.wire import SharedCache, TransportEndpoint
 from vllm_qaic_connector.transports.base import KVTransport, populate
-from vllm_qaic_connector.wire import TransportEndpoint
+from vllm_qaic_connector.transports.shared_cache import backing, described
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 PROGRESS_TIMEOUT_US = 100_000  # idle wake-up of the progress thread; UCX events wake it sooner
 ALIGN = 64  # receive slices start on a cache line, so the copy into KV blocks vectorises
@@ -92,6 +93,7 @@ class _Held(NamedTuple):
 class NixlTransport(KVTransport):
     kind = "nixl"
     delivers_notifications = True
+    direct_reads_key = "nixl_direct_reads"
 
     def __init__(
         self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, stages: bool = True
@@ -156,6 +158,15 @@ class NixlTransport(KVTransport):
         with self._lock:
             self._held.setdefault((peer.address, offset), []).append(held)
         return held.tensor
+
+    def share_kv_cache(self, layers: Sequence[torch.Tensor], produces: bool) -> SharedCache | None:
+        """Registers the storage behind ``layers`` with the agent: peers READ from it (a
+        prefill) or we READ into it (a decode)."""
+        whole = backing(layers)
+        if whole is None:
+            return None
+        self.register_destination(whole)
+        return described(layers, whole.numel(), address=whole.data_ptr())
 
     def register_destination(self, tensor: torch.Tensor) -> None:
         """Let ``read_into`` write straight into ``tensor``'s memory (e.g. QAIC KV buffers)."""

@@ -17,21 +17,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import logging
 import mmap
 import os
 import threading
 import warnings
+from collections.abc import Sequence
 from multiprocessing import resource_tracker
 
 import torch
 
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.wire import SharedCache, TransportEndpoint
 from vllm_qaic_connector.transports import host_pinning
 from vllm_qaic_connector.transports.base import KVTransport, populate
-from vllm_qaic_connector.wire import TransportEndpoint
+from vllm_qaic_connector.transports.shared_cache import backing, described, host_identity
 
 SHM_DIR = "/dev/shm"  # where Linux keeps shm_open() objects
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 def _unlink(path: str) -> None:
@@ -150,8 +152,31 @@ class SharedSegment:
             os.close(self._lock_fd)
 
 
+def move_into_shm(layers: Sequence[torch.Tensor]) -> SharedCache | None:
+    """Moves the storage behind ``layers`` into shared memory, in place (see `backing`):
+    vLLM's kernels write there from then on, and decodes map it read-only."""
+    whole = backing(layers)
+    if whole is None:
+        return None
+    shm = os.statvfs(SHM_DIR)
+    if shm.f_bavail * shm.f_frsize < 2 * whole.numel():  # tmpfs past its size: SIGBUS
+        logger.warning(
+            "QAICConnector: %s has room for less than twice the KV cache (%d MiB); "
+            "handoffs stage instead of reading the cache directly",
+            SHM_DIR,
+            whole.numel() >> 20,
+        )
+        return None
+    # torch.multiprocessing's own move: a new unlinked shm object, the bytes copied over,
+    # then the storage's data pointer replaced. It dies with the last process mapping it.
+    fd, size = whole.untyped_storage()._share_fd_cpu_()
+    path, inode = f"/proc/{os.getpid()}/fd/{fd}", os.fstat(fd).st_ino
+    return described(layers, size, path=path, inode=inode, host=host_identity())
+
+
 class ShmTransport(KVTransport):
     kind = "shm"
+    direct_reads_key = "direct_reads"
 
     def __init__(self, name: str, staging_bytes: int, *, stages: bool = True) -> None:
         """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first.
@@ -200,6 +225,10 @@ class ShmTransport(KVTransport):
             seg = self._peers.pop(peer.address, None)
         if seg is not None:
             seg.close()
+
+    def share_kv_cache(self, layers: Sequence[torch.Tensor], produces: bool) -> SharedCache | None:
+        """Only a rank that saves has a cache worth reading (`move_into_shm`)."""
+        return move_into_shm(layers) if produces else None
 
     def close(self) -> None:
         with self._lock:

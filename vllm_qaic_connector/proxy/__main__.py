@@ -1,0 +1,5 @@
+"""``python -m vllm_qaic_connector.proxy``."""
+
+from vllm_qaic_connector.proxy.server import main
+
+main()

@@ -1,0 +1,151 @@
+"""The client's first token comes from the prefill.
+
+The prefill samples one token anyway. When the decode continues from it (its prompt is the
+prompt's token ids and that token), the client has it as soon as the prefill answers: the KV
+transfer and the decode's first step leave the time to first token, and the decode computes
+that token's KV instead of recomputing the prompt's last one.
+
+Only for what a decode can continue exactly: a ``/v1/completions`` request whose options do
+not look back over the output (stop strings, penalties, grammars, logprobs...) and a prefill
+whose ticket names the tokens it staged (this connector's; vLLM's NixlConnector loads the
+decode's whole prompt, so it keeps the decode's own first token), all of the prompt's (a
+model with Mamba layers stages one short, and its decode steps the last prompt token itself:
+vLLM's CPU scan of that token and the next together agreed with none of the aggregated
+answers).
+
+And only where the text is exact. vLLM detokenizes incrementally (`DecodeStream`): a token
+whose bytes are not whole UTF-8 text is held back, or shown as U+FFFD, until later tokens
+complete it, and a decode primed with a prompt that ends in such a token restarts its text
+elsewhere. So a prefill's token whose text is empty or holds U+FFFD is not the client's: the
+decode computes its own first token, as the aggregated server would (never a guess).
+Likewise where the answer's randomness or spacing carries state across the first token (a
+seeded sampler, no spaces between special tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_qaic_connector.protocol.wire import parse_remote_prefill
+
+# Options whose meaning spans the first token (the decode alone would apply them to the
+# rest only) or that the answer would have to merge across the legs.
+SPANNING = (
+    "echo", "logprobs", "prompt_logprobs", "suffix", "stop", "bad_words", "min_tokens",
+    "frequency_penalty", "presence_penalty", "response_format", "structured_outputs",
+    "use_beam_search", "prompt_embeds", "return_tokens_as_token_ids",
+)  # fmt: skip
+UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
+DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
+
+
+def eligible(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the prefill's token can be the answer's first."""
+    prompt = body.get("prompt")
+    one_prompt = isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+    )
+    seeded = body.get("seed") is not None and body.get("temperature", 1.0) != 0
+    carried = seeded or body.get("spaces_between_special_tokens") is False  # across it
+    streamed_ids = body.get("return_token_ids") and body.get("stream")
+    return one_prompt and not (chat or carried or streamed_ids or any(map(body.get, SPANNING)))
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """The prefill's answer, as the start of the client's."""
+
+    answer: dict[str, Any]  # the prefill's, without its kv_transfer_params
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool  # the whole answer: a stop, or a limit of one token
+
+    @classmethod
+    def of(cls, prefilled: dict[str, Any], body: dict[str, Any]) -> FirstToken | None:
+        """None where the prefill's answer does not allow it (another connector's ticket,
+        no token ids): then the decode answers from its own first token."""
+        params = prefilled.get("kv_transfer_params")
+        try:
+            [choice] = prefilled["choices"]
+            prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
+            staged = parse_remote_prefill(params if isinstance(params, dict) else {}).num_tokens
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not (isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1):
+            return None
+        if staged != len(prompt_ids):  # a recurrent state: the decode scans the last one
+            return None
+        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+        finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        text = choice.get("text") or ""
+        if not finished and (not text or UNSURE_TEXT in text):
+            return None  # its text depends on the tokens after it: the decode's own
+        shown = {k: v for k, v in choice.items() if k not in ("prompt_token_ids", "token_ids")}
+        answer = {k: v for k, v in prefilled.items() if k != "kv_transfer_params"}
+        answer["choices"] = [shown]  # a copy: the prefill's answer is left as it came
+        if body.get("return_token_ids"):
+            shown.update(prompt_token_ids=prompt_ids, token_ids=ids)
+        return cls(answer, text, prompt_ids, ids, finished)
+
+    def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        """The decode leg: the prompt and the first token as token ids, one token fewer."""
+        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
+        out = {k: v for k, v in body.items() if k != "truncate_prompt_tokens"}
+        out.update(
+            prompt=self.prompt_token_ids + self.token_ids,
+            max_tokens=None if limit is None else limit - 1,
+            request_id=self.answer["id"].removeprefix("cmpl-"),  # its events: the same id
+            kv_transfer_params=params,
+        )
+        return out
+
+    def joined(self, answer: dict[str, Any]) -> dict[str, Any]:
+        """The decode's whole answer, with the first token put back in front."""
+        choice = answer["choices"][0]
+        choice["text"] = self.text + (choice.get("text") or "")
+        if "token_ids" in choice:  # asked for by the client: the prompt is the prefill's
+            choice.update(
+                prompt_token_ids=self.prompt_token_ids,
+                token_ids=self.token_ids + (choice["token_ids"] or []),
+            )
+        answer["usage"] = fix_usage(answer.get("usage"))
+        return answer
+
+    def events(self, include_usage: bool) -> bytes:
+        """The first token as a streamed event; the whole stream when the prefill finished."""
+        choice = {**self.answer["choices"][0], "text": self.text}
+        if not self.finished:
+            choice.update(finish_reason=None, stop_reason=None)
+        chunk = {**self.answer, "choices": [choice], "usage": None}
+        out = [chunk]
+        if self.finished and include_usage:
+            out.append({**self.answer, "choices": [], "usage": self.answer.get("usage")})
+        data = b"".join(event(c) for c in out)
+        return data + b"data: [DONE]\n\n" if self.finished else data
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def fix_usage(usage: Any) -> Any:
+    """The decode counted the first token as prompt: it is the answer's."""
+    if not isinstance(usage, dict) or "prompt_tokens" not in usage:
+        return usage
+    return {
+        **usage,
+        "prompt_tokens": usage["prompt_tokens"] - 1,
+        "completion_tokens": usage.get("completion_tokens", 0) + 1,
+    }
+
+
+def fix_event(line: bytes) -> bytes:
+    """One line of the decode's stream, its usage (if any) recounted."""
+    if not line.startswith(b"data: {") or not (b'"usage":{' in line or b'"usage": {' in line):
+        return line
+    payload = json.loads(line[6:])
+    payload["usage"] = fix_usage(payload.get("usage"))
+    return f"data: {json.dumps(payload)}\n".encode()

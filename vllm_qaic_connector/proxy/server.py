@@ -1,0 +1,381 @@
+"""The disaggregation proxy: an OpenAI-compatible front door over prefill and decode engines.
+
+Each request is prefilled with one token and ``do_remote_decode`` (never streamed), then
+decoded with the ``kv_transfer_params`` the prefill returned; the decode's answer (or its
+server-sent events, as they come) goes to the client. Where the decode can continue from the
+prefill's token, that token is the client's first (`first_token`). A failed leg is a JSON
+error naming it: 503 unreachable, 504 timed out, 502 a bad answer. When the decode leg fails
+or the client goes away, the prefill is told to release the staged KV at once.
+
+    vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...] [--decode-kv HOST:PORT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
+from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
+from vllm_qaic_connector.proxy import first_token
+from vllm_qaic_connector.proxy.first_token import FirstToken
+from vllm_qaic_connector.proxy.routing import Router
+
+logger = get_logger(__name__)
+
+# The prefill computes the prompt's KV and one token (the client's first, where it can be).
+PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
+PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
+ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+# Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
+# reused just as the engine's server closes it (the request would fail to send).
+BACKEND_KEEPALIVE_S = 4.0
+
+
+class LegError(Exception):
+    """A leg failed; ``status`` and the message go to the client."""
+
+    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, body
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+    """vLLM's (and OpenAI's) error shape."""
+    kind = kind or ERROR_TYPES.get(status, "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def unsupported(body: dict[str, Any]) -> str | None:
+    """What the proxy cannot do for this request, or None."""
+    for field in ("n", "best_of"):
+        value = body.get(field)
+        if value is not None and value != 1:
+            return (
+                f"{field}={value!r} is not supported through the disaggregating proxy: "
+                "each choice would need its own KV handoff; send n=1 requests"
+            )
+    return None
+
+
+def prefill_body(body: dict[str, Any], chat: bool, decode_kv: str) -> dict[str, Any]:
+    """The prefill leg: one token, whichever token limit the client used, never streamed."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
+    out.update(PREFILL_OVERRIDES)
+    if chat or "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    params: dict[str, Any] = {"do_remote_decode": True}
+    if decode_kv:  # the prefill stages straight into that decode's layout
+        host, port = decode_kv.rsplit(":", 1)
+        params.update(decode_host=host, decode_port=int(port))
+    out["kv_transfer_params"] = params
+    return out
+
+
+class Proxy:
+    def __init__(
+        self,
+        prefills: list[str],
+        decodes: list[str],
+        decode_kv: list[str] | None = None,
+        *,
+        routing: str = "least-outstanding",
+        prefill_timeout_s: float = 300.0,
+        decode_timeout_s: float = 600.0,
+        key: bytes | None = None,
+        first_token_from_prefill: bool = True,
+    ) -> None:
+        self.router = Router(prefills, decodes, routing)
+        self._decode_kv = dict(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
+        self.prefill_timeout_s, self.decode_timeout_s = prefill_timeout_s, decode_timeout_s
+        self._key, self._first_from_prefill = key, first_token_from_prefill
+        self._session: aiohttp.ClientSession | None = None
+        self._releases: set[asyncio.Future[None]] = set()
+
+    # --- legs -----------------------------------------------------------------------------
+
+    async def _open(
+        self, leg: str, url: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+    ) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        try:
+            return await self._session.post(url, json=body, timeout=timeout)
+        except asyncio.TimeoutError:
+            raise LegError(504, f"{leg} leg {url} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise LegError(503, f"{leg} leg {url} is unreachable: {exc}") from None
+
+    async def _json(self, leg: str, url: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        """The leg's JSON answer; a backend's 4xx goes to the client as it is."""
+        try:
+            text = await resp.text()
+        except asyncio.TimeoutError:
+            raise LegError(504, f"{leg} leg {url} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise LegError(502, f"{leg} leg {url} broke off its answer: {exc}") from None
+        finally:
+            resp.release()
+        body = None
+        with contextlib.suppress(ValueError):
+            body = json.loads(text)
+        if not isinstance(body, dict):
+            raise LegError(
+                502, f"{leg} leg {url} answered HTTP {resp.status} with non-JSON: {text[:200]!r}"
+            )
+        if 400 <= resp.status < 500:
+            raise LegError(resp.status, f"{leg} leg: HTTP {resp.status}", body)
+        if resp.status != 200:
+            error = body.get("error")
+            detail = error.get("message") if isinstance(error, dict) else body
+            raise LegError(502, f"{leg} leg {url} failed with HTTP {resp.status}: {detail}")
+        return body
+
+    async def _prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s)
+        resp = await self._open("prefill", url, body, timeout)
+        return await self._json("prefill", url, resp)
+
+    def _release(self, params: dict[str, Any]) -> None:
+        """Free the prefill's staging now rather than at lease end (in the background)."""
+        try:
+            remote = parse_remote_prefill(params)
+        except ValueError:
+            return
+
+        def call() -> None:
+            msg = ReleaseRequest([remote.remote_request_id])
+            try:
+                side_channel.call(remote.remote_host, remote.remote_port, msg, self._key, 5.0)
+            except ConnectionError as exc:
+                logger.warning("could not release %s (its lease will): %s", remote, exc)
+
+        task = asyncio.get_running_loop().run_in_executor(None, call)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        first: FirstToken | None,
+    ) -> tuple[web.StreamResponse, bool]:
+        """The decode's events through as they come (after ``first``'s, once the decode
+        has taken the request); False when the client went away. Then the decode's
+        connection is closed, which aborts the request there."""
+        timeout = aiohttp.ClientTimeout(sock_read=self.decode_timeout_s)
+        resp = await self._open("decode", url, body, timeout)
+        if resp.status != 200 or "json" in resp.content_type:
+            await self._json("decode", url, resp)  # raises: a stream answers 200 with events
+            raise LegError(502, f"decode leg {url} answered a stream request with JSON")
+        headers["Content-Type"] = resp.headers.get("Content-Type", "")
+        out = web.StreamResponse(headers=headers)
+        try:
+            await out.prepare(request)
+            if first is not None:
+                await out.write(first.events(include_usage=False))
+            if first is not None and usage_asked(body):  # its counts need the first token
+                async for line in resp.content:
+                    await out.write(first_token.fix_event(line))
+            else:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            await out.write_eof()
+        except ConnectionResetError:
+            logger.info("client went away mid-stream; aborting the decode request")
+            return out, False
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Headers are out: the client learns of the failure as a last event.
+            logger.warning("decode leg %s broke off a stream: %s", url, exc)
+            err = error_body(502, f"decode leg {url} broke off the stream: {exc}")
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(f"data: {json.dumps(err)}\n\n".encode())
+            return out, False
+        finally:
+            resp.close()  # before the end of the stream: the decode aborts the request
+        return out, True
+
+    # --- endpoints ------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = None
+        with contextlib.suppress(ValueError):
+            body = await request.json()
+        if not isinstance(body, dict):
+            return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
+        if problem := unsupported(body):
+            return web.json_response(error_body(400, problem), status=400)
+        prefill_url, decode_url = self.router.route()
+        chat = request.path.endswith("/chat/completions")
+        first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
+        params: dict[str, Any] | None = None
+        done = False
+        try:
+            started = time.monotonic()
+            with self.router.prefills.busy(prefill_url):
+                to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
+                if first_from_prefill:
+                    to_prefill["return_token_ids"] = True
+                prefilled = await self._prefill(prefill_url + request.path, to_prefill)
+            # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
+            timing = {"Server-Timing": f"prefill;dur={(time.monotonic() - started) * 1e3:.1f}"}
+            params = prefilled.get("kv_transfer_params")
+            if isinstance(params, dict) and params.get("error"):
+                # The prefill could not hand this request off (e.g. staging full): say so.
+                return web.json_response(
+                    error_body(503, str(params["error"]), "KVHandoffError"), status=503
+                )
+            first = FirstToken.of(prefilled, body) if first_from_prefill else None
+            if first is not None and first.finished:  # the prefill's token was the answer
+                return await self._prefill_only(request, body, first, timing)
+            if first is not None:
+                to_decode = first.decode_body(body, params or {})
+            else:
+                to_decode = {**body, "kv_transfer_params": params} if params else body
+            url = decode_url + request.path
+            with self.router.decodes.busy(decode_url):
+                if body.get("stream"):
+                    response, done = await self._stream(request, url, to_decode, timing, first)
+                    return response
+                timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
+                resp = await self._open("decode", url, to_decode, timeout)
+                answer = await self._json("decode", decode_url, resp)
+            done = True
+            return web.json_response(first.joined(answer) if first else answer, headers=timing)
+        except LegError as exc:
+            if exc.body is not None:
+                return web.json_response(exc.body, status=exc.status)
+            logger.warning("request failed (%d): %s", exc.status, exc)
+            return web.json_response(error_body(exc.status, str(exc)), status=exc.status)
+        finally:
+            if not done and isinstance(params, dict):
+                self._release(params)
+
+    async def _prefill_only(
+        self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
+    ) -> web.StreamResponse:
+        """The answer when it ends at the prefill's token (its staging is released)."""
+        if not body.get("stream"):
+            return web.json_response(first.answer, headers=timing)
+        out = web.StreamResponse(headers={**timing, "Content-Type": "text/event-stream"})
+        with contextlib.suppress(ConnectionResetError):
+            await out.prepare(request)
+            await out.write(first.events(include_usage=usage_asked(body)))
+            await out.write_eof()
+        return out
+
+    async def models(self, _: web.Request) -> web.Response:
+        assert self._session is not None
+        url = self.router.decodes.pick() + "/v1/models"
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                return web.json_response(await resp.json(content_type=None), status=resp.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            return web.json_response(error_body(503, f"decode {url}: {exc}"), status=503)
+
+    async def _backend_health(self, url: str) -> str:
+        assert self._session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=3)
+            async with self._session.get(url + "/health", timeout=timeout) as resp:
+                return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"unreachable: {exc or type(exc).__name__}"
+
+    async def health(self, _: web.Request) -> web.Response:
+        """200 while at least one prefill and one decode answer their /health."""
+        report: dict[str, dict[str, str]] = {}
+        for role, pool in (("prefill", self.router.prefills), ("decode", self.router.decodes)):
+            urls = list(pool.outstanding)
+            states = await asyncio.gather(*(self._backend_health(u) for u in urls))
+            report[role] = dict(zip(urls, states, strict=True))
+        ok = all("ok" in states.values() for states in report.values())
+        return web.json_response({"ok": ok, **report}, status=200 if ok else 503)
+
+    async def _start(self, _: web.Application) -> None:
+        connector = aiohttp.TCPConnector(keepalive_timeout=BACKEND_KEEPALIVE_S)
+        self._session = aiohttp.ClientSession(connector=connector)
+
+    async def _stop(self, _: web.Application) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=6)
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+
+def usage_asked(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--prefill", nargs="+", required=True, help="prefill base URLs")
+    add("--decode", nargs="+", required=True, help="decode base URLs")
+    add("--decode-kv", nargs="+", default=None,
+        help="HOST:PORT of each decode's side channel (its side_channel_port), "
+        "so prefills stage in the decode's layout")  # fmt: skip
+    add("--routing", choices=Router.MODES, default="least-outstanding",
+        help="least-outstanding: each leg to the backend with the fewest requests in flight; "
+        "pairs: round-robin over every (prefill, decode) pair")  # fmt: skip
+    add("--prefill-timeout-s", type=float, default=300.0, help="whole prefill leg")
+    add("--decode-timeout-s", type=float, default=600.0,
+        help="whole decode leg; when streaming, the longest gap between events")  # fmt: skip
+    add("--side-channel-key-file", default=None,
+        help=f"the prefills' side-channel key, to release early (else ${KEY_ENV})")  # fmt: skip
+    add("--first-token", choices=("prefill", "decode"), default="prefill",
+        help="prefill: where the decode can continue from it, the prefill's token is "
+        "the client's first; decode: the decode's is, as in vLLM's toy proxy")  # fmt: skip
+    add("--host", default="127.0.0.1")
+    add("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    if args.decode_kv and len(args.decode_kv) != len(args.decode):
+        parser.error("--decode-kv needs one HOST:PORT per --decode URL")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    proxy = Proxy(
+        [u.rstrip("/") for u in args.prefill],
+        [u.rstrip("/") for u in args.decode],
+        args.decode_kv,
+        routing=args.routing,
+        prefill_timeout_s=args.prefill_timeout_s,
+        decode_timeout_s=args.decode_timeout_s,
+        key=load_key(args.side_channel_key_file),
+        first_token_from_prefill=args.first_token == "prefill",
+    )
+    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop())
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed (vLLM's API server runs on it too): the proxy relays every
+    streamed chunk, and on uvloop each costs it less CPU than on asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+if __name__ == "__main__":
+    main()

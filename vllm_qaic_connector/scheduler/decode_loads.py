@@ -1,0 +1,122 @@
+"""A decode's loads, scheduler side: a request's ``kv_transfer_params`` checked, its prompt
+tokens claimed (loaded asynchronously, beside the engine's steps), its blocks handed to the
+worker as a `LoadSpec`, its lease renewed while it waits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.kv.kv_groups import (
+    KVGroup,
+    has_state,
+    load_starts,
+    staging_gap,
+    tokens_to_load,
+)
+from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
+from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
+from vllm_qaic_connector.step_metadata import LoadSpec
+from vllm_qaic_connector.tickets import prompt_hash
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+
+class DecodeLoads:
+    def __init__(self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...]) -> None:
+        self._key, self._groups = cfg.shared_key, groups
+        self.renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
+        # request id -> (first token to load, the checked ticket, what is wrong with it)
+        self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
+        self._pending: dict[str, LoadSpec] = {}
+        self._loading: set[str] = set()  # handed to the worker, not yet reported done
+
+    def claim(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
+        remote: RemotePrefill | None = None
+        error: str | None = None
+        prompt = request.prompt_token_ids or []
+        try:
+            if failed := (request.kv_transfer_params or {}).get("error"):
+                raise ValueError(f"the prefill could not hand the KV off: {failed}")
+            parsed = parse_remote_prefill(request.kv_transfer_params or {})
+            num_tokens = parsed.num_tokens
+            unusable = ticket_problem(parsed, self._key)
+            if unusable:  # before anything else: an unsigned peer address is not contacted
+                raise ValueError(unusable)
+            if num_tokens > len(prompt):
+                raise ValueError(
+                    f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
+                    f"the prompt ({len(prompt)} tokens)"
+                )
+            if has_state(self._groups) and num_tokens == len(prompt):
+                raise ValueError(
+                    f"the prefill staged all {num_tokens} prompt tokens; a model with "
+                    "Mamba layers needs it to stop at least one token short"
+                )
+            if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
+                raise ValueError(
+                    "kv_transfer_params were staged for another prompt (prompt_hash differs)"
+                )
+            remote = parsed  # only a ticket that checks out is used, renewed or released
+            self.renewer.want(request.request_id, remote)
+        except ValueError as exc:
+            # Still claim the tokens: the worker reports their blocks as load errors, so
+            # vLLM's kv_load_failure_policy decides, as for every other failed load.
+            error = f"request {request.request_id}: {exc}"
+            num_tokens = len(request.prompt_token_ids or ())
+        count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
+        if count <= 0:
+            return 0, False
+        self._matched[request.request_id] = (num_computed_tokens, remote, error)
+        return count, True
+
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks."""
+        matched = self._matched.pop(request.request_id, None)
+        if matched is None or num_external_tokens == 0:
+            return
+        first_token, remote, error = matched
+        if request.kv_transfer_params:
+            request.kv_transfer_params["do_remote_prefill"] = False  # load once
+        starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
+        if remote is not None and error is None:
+            gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))
+            error = f"request {request.request_id}: {gap}" if gap else None
+        self._pending[request.request_id] = LoadSpec(
+            request.request_id,
+            tuple(list(ids) for ids in blocks.get_block_ids()),
+            first_token,
+            remote,
+            error,
+            self.renewer.holds_until(request.request_id),
+            starts,
+            first_token + num_external_tokens,
+        )
+
+    def take(self) -> list[LoadSpec]:
+        """This step's loads, for the worker."""
+        loads = list(self._pending.values())
+        self._pending.clear()
+        self._loading.update(spec.request_id for spec in loads)
+        return loads
+
+    def received(self, request_ids: set[str]) -> None:
+        """Asynchronous loads the worker reported done."""
+        self._loading.difference_update(request_ids)
+        for rid in request_ids:
+            self.renewer.drop(rid)
+
+    def finished(self, request_id: str) -> bool:
+        """Forgets a finished request; True if its load was still running (the worker
+        releases its staging then), else a ticket never read is released now."""
+        self._matched.pop(request_id, None)
+        self._pending.pop(request_id, None)
+        loading = request_id in self._loading
+        (self.renewer.drop if loading else self.renewer.release)(request_id)
+        return loading
+
+    def close(self) -> None:
+        self.renewer.close()

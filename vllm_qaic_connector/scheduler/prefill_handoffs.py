@@ -1,0 +1,337 @@
+"""A prefill engine's requests on their way to decodes, in the scheduler: the decode's
+format learnt by handshake, staging reserved before the prompt runs, a save per computed
+chunk, and the ticket when the request finishes (its staging is freed by
+`staging_releases`). Logical only: no tensors, layouts or transports."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from vllm.v1.request import RequestStatus
+
+from vllm_qaic_connector.config import ConnectorConfig
+from vllm_qaic_connector.kv.kv_groups import (
+    KVGroup,
+    held_start,
+    layer_groups,
+    layer_starts,
+    ordered_layers,
+    staged_starts,
+    state_bytes,
+)
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.wire import (
+    RankMetadata,
+    RemotePrefill,
+    direct_problem,
+    ticket_mac,
+)
+from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
+from vllm_qaic_connector.step_metadata import SaveSpec
+from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+# vLLM runs a request with n > 1 as n requests named "<index>_<parent id>"
+# (`parallel_sampling.get_child_info`); a router hands the decode one of their tickets.
+SAMPLING_CHILD = re.compile(r"\d+_")
+
+
+@dataclass(frozen=True)
+class StagingTarget:
+    """The physical format a request is staged in."""
+
+    layout_kind: str
+    block_size: int
+    direct: bool = False  # the decode reads our KV cache: nothing is staged
+
+
+@dataclass
+class _Outgoing:
+    """A prefill request on its way to a decode."""
+
+    waiting_since: float
+    target: StagingTarget | None = None
+    offset: int | None = None
+    generation: int = 0
+    error: str | None = None
+    starts: tuple[int, ...] | None = None  # first staged token per group, fixed at its first save
+    saved_to: int = 0  # tokens staged so far
+
+
+@dataclass(frozen=True)
+class PrefillEngine:
+    """The facts about this prefill engine that a handoff needs."""
+
+    engine_id: str
+    groups: tuple[KVGroup, ...]
+    geometry: KVGeometry
+    num_blocks: int  # in its KV cache
+    port: int  # its side channel's, named in tickets
+
+
+class PrefillHandoffs:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        engine: PrefillEngine,
+        releases: StagingReleases,
+        peers: PeerDirectory,
+    ) -> None:
+        self.cfg, self.engine, self.releases, self.peers = cfg, engine, releases, peers
+        self.pool = releases.pool
+        self.ranks: list[RankMetadata] = []  # our workers', by TP rank
+        self.kv_cache_manager: KVCacheManager | None = None
+        self._layer_groups = layer_groups(engine.groups, ordered_layers(engine.groups))
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._to_save: dict[str, Request] = {}
+        self._staged: dict[str, SaveSpec] = {}
+        self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
+        self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
+        # Held blocks shrink the KV cache: past half of it, requests stage instead.
+        self._direct_cap = engine.num_blocks // 2
+        self._generations = Generations()
+        for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
+            peers.poll(host, port)
+
+    # --- before the prompt runs ----------------------------------------------------------
+
+    def admit(self, request: Request, params: dict[str, Any]) -> tuple[int | None, bool]:
+        """Learn the decode's format, then reserve staging. Either may wait (None: vLLM
+        asks again next step, other requests go on), each bounded."""
+        rid, now = request.request_id, time.monotonic()
+        out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
+        if out.target is None and out.error is None and SAMPLING_CHILD.match(rid):
+            out.error = "n > 1 with do_remote_decode is not supported: send n = 1 per request"
+            logger.error("QAICConnector: request %s: %s", rid, out.error)
+        if out.offset is not None or out.error is not None:
+            return 0, False
+        if out.target is None:
+            target = self._resolve_target(rid, params, out.waiting_since)
+            if target is None:
+                return None, False
+            held_blocks = sum(self._direct_held.values())
+            wanted = request.num_prompt_tokens // self.engine.geometry.block_size
+            if held_blocks + wanted > self._direct_cap:
+                target = dataclasses.replace(target, direct=False)
+            out.target, out.waiting_since = target, now
+        held = (0,) * len(self.engine.groups)  # the most it can stage: nothing is dropped yet
+        fmt = self._staging_format(request.num_prompt_tokens, out.target, held)
+        self.releases.expire()  # an idle engine ran no step that would have freed them
+        try:
+            kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
+            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
+        except ValueError as exc:
+            out.error = str(exc)
+            return 0, False
+        if offset is None:
+            if now - out.waiting_since < self.cfg.staging_wait_s:
+                return None, False  # back-pressure: wait for pages to come back
+            out.error = (
+                f"staging pool full ({self.pool.pages_in_use}/{self.pool.num_pages} pages) "
+                f"for {self.cfg.staging_wait_s}s; raise staging_bytes or lower the load"
+            )
+            logger.warning("QAICConnector: request %s: %s", rid, out.error)
+            return 0, False
+        out.offset, out.generation = offset, self._generations.take()
+        return 0, False
+
+    def will_save(self, request: Request) -> None:
+        """Its blocks are allocated: save each chunk as it is computed."""
+        self._to_save[request.request_id] = request
+
+    def _resolve_target(
+        self, rid: str, params: dict[str, Any], since: float
+    ) -> StagingTarget | None:
+        """The named decode's format, else the one every decode in ``decode_peers`` takes;
+        our own where they differ, none is known or the named one cannot be reached in time
+        (the decode then converts on receive), or where it reads our cache directly (it
+        converts as it copies). None while the named decode's handshake is pending."""
+        own_kind = self.ranks[0].layout_kind if self.ranks else ""
+        own = StagingTarget(own_kind, self.engine.geometry.block_size)
+        host, port = params.get("decode_host"), params.get("decode_port")
+        if host is None and port is None:  # a router that names no decode: our fleet's
+            known = [self.peers.poll(h, p) for h, p in self.cfg.decode_sides]
+            targets = {self._target_for(f, own) if isinstance(f, list) else own for f in known}
+            return targets.pop() if len(targets) == 1 else own
+        if not isinstance(host, str) or not isinstance(port, int):
+            logger.error(
+                "QAICConnector: request %s: malformed decode_host/decode_port in "
+                "kv_transfer_params; staging in our own layout",
+                rid,
+            )
+            return own
+        found = self.peers.poll(host, port)
+        if found is None:
+            if time.monotonic() - since < self.cfg.handshake_timeout_s:
+                return None
+            found = f"handshake with {host}:{port} timed out"
+        if isinstance(found, str):
+            logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
+            return own
+        return self._target_for(found, own)
+
+    def _target_for(self, decode: list[RankMetadata], own: StagingTarget) -> StagingTarget:
+        if len(decode) != len(self.ranks):
+            return own  # head shards differ: the decode regroups heads on receive
+        if not direct_problem(self.ranks[0], decode[0], len(self.ranks)):
+            return dataclasses.replace(own, direct=True)  # block_ids: ours, in our format
+        return StagingTarget(decode[0].layout_kind, decode[0].block_size)
+
+    def _staging_format(
+        self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]
+    ) -> StagingFormat:
+        groups = self.engine.groups
+        starts = staged_starts(groups, num_tokens, target.block_size, held)
+        return StagingFormat(
+            target.layout_kind,
+            dataclasses.replace(self.engine.geometry, block_size=target.block_size),
+            len(self._layer_groups),
+            layer_starts(starts, self._layer_groups, len(self._layer_groups)),
+            state_bytes(groups),
+        )
+
+    # --- each step ----------------------------------------------------------------------
+
+    def saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
+        saves = []
+        for rid, req in list(self._to_save.items()):
+            scheduled = out.num_scheduled_tokens.get(rid, 0)
+            if scheduled == 0:
+                continue
+            # build_connector_meta runs before the scheduler advances num_computed_tokens.
+            last = min(req.num_computed_tokens + scheduled, req.num_prompt_tokens)
+            final = last >= req.num_prompt_tokens
+            if final:
+                del self._to_save[rid]
+            outgoing = self._outgoing.get(rid)
+            if outgoing is None or outgoing.offset is None or outgoing.target is None:
+                continue  # no staging (its error travels back in finished())
+            if not self.pool.renew(rid):
+                outgoing.error = "staging lease expired before the prompt finished"
+                self._to_save.pop(rid, None)
+                continue
+            spec = self._save_spec(req, outgoing, last, final)
+            outgoing.saved_to = last
+            if final:
+                self._staged[rid] = spec
+            saves.append(spec)
+        return saves
+
+    def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
+        assert self.kv_cache_manager is not None and out.offset is not None
+        assert out.target is not None
+        groups, num_tokens = self.engine.groups, req.num_prompt_tokens
+        block_ids = tuple(
+            list(ids[: blocks_for_tokens(num_tokens, g.block_size)])
+            for g, ids in zip(
+                groups, self.kv_cache_manager.get_block_ids(req.request_id), strict=True
+            )
+        )
+        if out.starts is None:
+            null = self.kv_cache_manager.block_pool.null_block.block_id
+            held = tuple(
+                held_start(ids, null, g.block_size)
+                for g, ids in zip(groups, block_ids, strict=True)
+            )
+            out.starts = staged_starts(groups, num_tokens, out.target.block_size, held)
+        return SaveSpec(
+            req.request_id,
+            block_ids,
+            num_tokens,
+            out.offset,
+            out.target.layout_kind,
+            out.target.block_size,
+            out.generation if final else 0,
+            out.starts,
+            out.saved_to,
+            last,
+            out.target.direct,
+        )
+
+    def take_await_saves(self) -> list[str]:
+        taken, self._await_saves = self._await_saves, []
+        return taken
+
+    def released_direct(self) -> list[str]:
+        """Direct handoffs whose tickets are gone (released, expired): their blocks may go.
+        Run before the pool's drain_freed, so a ticket is invalidated no later than its
+        blocks are freed."""
+        released = [rid for rid in self._direct_held if not self.pool.has(rid)]
+        for rid in released:
+            del self._direct_held[rid]
+        return released
+
+    # --- when the request finishes --------------------------------------------------------
+
+    def finished(self, request: Request, loading: bool) -> tuple[bool, Any]:
+        """`request_finished` for a prefill: whether vLLM holds its blocks, and the ticket a
+        decode loads with (or the error that kept it from staging). ``loading``: it is
+        still loading KV of its own, so its blocks stay held and nothing is handed off."""
+        rid = request.request_id
+        self._to_save.pop(rid, None)
+        out = self._outgoing.pop(rid, None)
+        if loading:
+            # Aborted mid-load: the worker may still write these blocks. vLLM frees them
+            # when the worker reports the load finished.
+            return True, None
+        # Saves run on the worker's own thread, after the step: the blocks they read stay
+        # held until the worker reports them finished sending.
+        direct = out is not None and out.target is not None and out.target.direct
+        hold = self.cfg.async_saves and out is not None and out.saved_to > 0 and not direct
+        if hold:
+            self._await_saves.append(rid)
+        spec = self._staged.pop(rid, None)
+        if spec is None:
+            self.pool.release(rid)  # reserved, never (wholly) staged
+            if out is not None and out.error is not None:
+                return hold, {"do_remote_prefill": False, "error": out.error}
+            return hold, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            self.pool.release(rid)  # aborted: nobody will come for it
+            return hold, None
+        params = self._ticket(request, spec)
+        if spec.direct:  # its blocks are the KV: held until the lease is released or ends
+            self._direct_held[rid] = len(spec.block_ids[0])
+            hold = True
+        return hold, msgspec.to_builtins(params)
+
+    def _ticket(self, request: Request, spec: SaveSpec) -> RemotePrefill:
+        rid = request.request_id
+        params = RemotePrefill(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine.engine_id,
+            remote_host=self.cfg.advertise_host,
+            remote_port=self.engine.port,
+            remote_request_id=rid,
+            num_tokens=spec.num_tokens,
+            staging_offset=spec.staging_offset,
+            staged_layout=spec.layout_kind,
+            staged_block_size=spec.block_size,
+            incarnation=self.ranks[0].incarnation if self.ranks else "",
+            generation=spec.generation,
+            prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
+            lease_s=round(self.cfg.lease_s, 3),  # whole ms: see ticket_mac
+            expires_at=round(time.time() + self.pool.expires_in(rid), 3),
+            group_starts=spec.starts if any(spec.starts) else (),
+            block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
+        )
+        if self.cfg.shared_key is not None:
+            mac = ticket_mac(params, self.cfg.shared_key)
+            params = msgspec.structs.replace(params, ticket_mac=mac)
+        return params

@@ -1,0 +1,187 @@
+"""The scheduler half: a decode's loads (`decode_loads`), a prefill's handoffs
+(`prefill_handoffs`), and the side-channel listener both answer on. It holds no tensors,
+layouts or transports."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_qaic_connector.config import ConnectorConfig, is_loopback
+from vllm_qaic_connector.kv.kv_groups import attention_spec, groups_of, has_state
+from vllm_qaic_connector.kv.layout import KVGeometry
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    Ok,
+    RankMetadata,
+    ReleaseRequest,
+    Renewed,
+    RenewRequest,
+)
+from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
+from vllm_qaic_connector.scheduler.prefill_handoffs import PrefillEngine, PrefillHandoffs
+from vllm_qaic_connector.scheduler.staging import StagingPool
+from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
+from vllm_qaic_connector.stats import QAICConnectorStats
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)  # inside vLLM's logger tree, so it is printed
+
+
+class SchedulerSide:
+    def __init__(
+        self, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.cfg = cfg
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.engine_id = str(ktc.engine_id)
+        self.is_producer = bool(ktc.is_kv_producer)
+        self.groups = groups_of(kv_cache_config)
+        spec = attention_spec(kv_cache_config)
+        geometry = KVGeometry(
+            spec.num_kv_heads,  # type: ignore[attr-defined]
+            spec.head_size,  # type: ignore[attr-defined]
+            spec.block_size,
+            spec.dtype,  # type: ignore[attr-defined]
+        )
+        self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
+        self._ranks: list[RankMetadata] = []
+        self._key = cfg.shared_key
+        self.loads = DecodeLoads(cfg, self.groups)
+        self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
+        # Before the listener: a release may arrive as soon as it listens (a decode that
+        # still holds a ticket of this engine's previous life).
+        self.releases = StagingReleases(self.pool, has_state(self.groups))
+        self._server = SideChannelServer(
+            cfg.side_channel_host, cfg.side_channel_port, self._handle, self._key
+        )
+        engine = PrefillEngine(
+            self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port
+        )
+        self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
+        if self._key is None and not is_loopback(cfg.side_channel_host):
+            logger.warning(
+                "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
+                "anyone who reaches it can read staged KV and free staging",
+                cfg.side_channel_host,
+            )
+        logger.info(
+            "QAICConnector scheduler: engine %s, side channel %s:%d, staging %d pages x %d B",
+            self.engine_id,
+            cfg.advertise_host,
+            self._server.port,
+            self.pool.num_pages,
+            self.pool.page_bytes,
+        )
+
+    # --- side channel --------------------------------------------------------------------
+
+    def set_rank_metadata(self, ranks: list[RankMetadata]) -> None:
+        self._ranks = sorted(ranks, key=lambda r: r.tp_rank)
+        self.handoffs.ranks = self._ranks
+        self.peers.ours = self._ranks[0] if self._ranks else None
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, HandshakeRequest):
+            if msg.version != PROTOCOL_VERSION:
+                return ErrorReply(f"protocol version {msg.version}, we speak {PROTOCOL_VERSION}")
+            if not self._ranks:
+                return ErrorReply("engine not ready: workers have not registered KV caches")
+            return HandshakeReply(PROTOCOL_VERSION, self._ranks)
+        if isinstance(msg, ReleaseRequest):
+            for rid in msg.request_ids:
+                self.releases.acknowledge(rid, msg, self._ranks)
+            self.releases.expire()
+            return Ok()
+        if isinstance(msg, RenewRequest):
+            return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
+        return ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill for a model with Mamba layers stops one token short: the decode needs
+        the state before the last prompt token, and recomputes that token from it."""
+        params = request.kv_transfer_params
+        if not (self.is_producer and has_state(self.groups) and params):
+            return
+        if params.get("do_remote_decode") and request.num_prompt_tokens > 1:
+            if request.prompt_token_ids is None:  # prompt embeddings: nothing to cut
+                return
+            del request.prompt_token_ids[-1]
+            del request._all_token_ids[-1]
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
+
+    # --- decode side: loads --------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self.is_producer:
+            return self.handoffs.admit(request, params)
+        # A prefill that could not stage says so in the params; a router passes them on
+        # as they are: a failed load, for kv_load_failure_policy, never a silent recompute.
+        if not params or not (params.get("do_remote_prefill") or params.get("error")):
+            return 0, False
+        return self.loads.claim(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode") and self.is_producer:
+            self.handoffs.will_save(request)
+        self.loads.allocated(request, blocks, num_external_tokens)
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self.handoffs.kv_cache_manager = manager
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
+        self.releases.expire()
+        released = self.handoffs.released_direct()  # before drain_freed
+        return QAICConnectorMetadata(
+            saves=self.handoffs.saves_for_step(scheduler_output),
+            loads=self.loads.take(),
+            invalidate=self.pool.drain_freed(),
+            await_saves=self.handoffs.take_await_saves(),
+            release_direct=released,
+            idle=scheduler_output.total_num_scheduled_tokens == 0,
+        )
+
+    def update_connector_output(
+        self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
+    ) -> None:
+        self.loads.received(finished_recving or set())
+        for ack in acks:  # acknowledgements that came with NIXL reads
+            for rid in ack.request_ids:
+                self.releases.acknowledge(rid, ack, self._ranks)
+
+    def request_finished(self, request: Request) -> tuple[bool, Any]:
+        loading = self.loads.finished(request.request_id)
+        return self.handoffs.finished(request, loading=loading)
+
+    def pool_stats(self) -> QAICConnectorStats:
+        stats = QAICConnectorStats()
+        stats.set("staging_pages_in_use", self.pool.pages_in_use)
+        stats.set("staging_pages_total", self.pool.num_pages)
+        stats.add("lease_expiries", self.releases.take_expired())
+        stats.add("handshakes", self.peers.take_handshakes())
+        return stats
+
+    def shutdown(self) -> None:
+        self.loads.close()
+        self._server.close()

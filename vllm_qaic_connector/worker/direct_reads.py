@@ -1,0 +1,227 @@
+"""Direct reads: a decode copies a prompt's KV blocks straight out of the prefill's KV cache.
+
+On one host, staging the KV is a copy for nothing: the decode can copy (and convert, where
+layouts or block sizes differ) straight out of the prefill's cache, one pass instead of two.
+The prefill makes its KV cache readable once, when it is registered: over shm it moves it
+into shared memory (torch swaps the storage under every view of it, so vLLM's kernels write
+into shared memory from then on); over NIXL it registers it with its agent.
+A handed-off request's blocks stay held until the decode acknowledges or the lease ends.
+Its ticket is a header-only staging region, which the prefill invalidates before vLLM may
+reuse the blocks; the decode checks it before and after its copy (`tickets.checked_region`),
+so a late copy is a load error, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import select
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from vllm_qaic_connector.kv.byte_runs import BlockExtents, ByteRun, block_ranges, merged
+from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout, block_runs
+from vllm_qaic_connector.kv.stream_copy import copy_ranges
+from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.wire import RankMetadata, SharedCache, TransportEndpoint
+from vllm_qaic_connector.worker.this_rank import LocalCache
+
+logger = get_logger(__name__)  # in vLLM's logger tree, without importing it
+FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
+
+
+def dense_blocks(cache: LocalCache) -> bool:
+    """Whether each block of the cache's layers is one run of memory."""
+    layer = cache.tensors[0]
+    with contextlib.suppress(ValueError):
+        return bool(BlockExtents.of(layer.shape, layer.stride(), cache.layout.block_dim))
+    return False
+
+
+@dataclass(frozen=True)
+class CacheBlocks:
+    """Where the blocks of each layer of a prefill's advertised cache lie."""
+
+    extents: BlockExtents
+    num_blocks: int
+    block_dim: int
+
+    @classmethod
+    def of(cls, cache: SharedCache, layout: KVLayout) -> CacheBlocks:
+        extents = BlockExtents.of(cache.shape, cache.strides, layout.block_dim)
+        return cls(extents, cache.shape[layout.block_dim], layout.block_dim)
+
+
+def cache_ranges(
+    src: CacheBlocks,
+    src_bases: Sequence[int],
+    layers: Sequence[torch.Tensor],
+    blocks: tuple[Sequence[int], Sequence[int]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`block_ranges` of every layer: (source, destination, bytes) of (prefill blocks, our
+    blocks) from the prefill's layers at ``src_bases`` into our ``layers``."""
+    limits = (src.num_blocks, layers[0].shape[src.block_dim])
+    for name, ids, n in zip(("prefill", "our"), blocks, limits, strict=True):
+        if ids and not 0 <= min(ids) <= max(ids) < n:  # copies go by address
+            raise ValueError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{n - 1}")
+    first = layers[0]
+    if any((t.shape, t.stride()) != (first.shape, first.stride()) for t in layers):
+        raise ValueError("direct reads need our layers in one shape and stride")
+    ours = BlockExtents.of(first.shape, first.stride(), src.block_dim)
+    runs, item = block_runs(*blocks), first.element_size()
+    frm, to, sizes = block_ranges(src.extents, ours, runs, item)
+    # The layers share one plan, shifted to each layer's base; range by range, every layer
+    # in turn, so a cross-layer layout's block of every layer joins into one range.
+    src_at = frm[:, None] + np.asarray(src_bases, dtype=np.int64)
+    dst_at = to[:, None] + np.asarray([t.data_ptr() for t in layers], dtype=np.int64)
+    return merged(src_at.ravel(), dst_at.ravel(), np.repeat(sizes, len(layers)))
+
+
+def plan_cache_reads(
+    cache: SharedCache,
+    layout: KVLayout,
+    layers: Sequence[torch.Tensor],
+    blocks: tuple[Sequence[int], Sequence[int]],
+) -> list[ByteRun]:
+    """NIXL runs for (prefill blocks, our blocks) of every layer: the source offset in the
+    prefill's cache, the destination address in ours."""
+    item = layers[0].element_size()
+    theirs = CacheBlocks.of(cache, layout)
+    ranges = cache_ranges(theirs, [o * item for o in cache.layer_offsets], layers, blocks)
+    return [ByteRun(*r) for r in zip(*(a.tolist() for a in ranges), strict=True)]
+
+
+def cache_endpoint(staging: TransportEndpoint, cache: SharedCache) -> TransportEndpoint:
+    """A prefill rank's registered KV cache as a region to read, like its ``staging``."""
+    return msgspec.structs.replace(
+        staging, address=f"{staging.owner}@{cache.address:#x}", size=cache.size
+    )
+
+
+def owner_of(rank: RankMetadata) -> str:
+    return f"{rank.incarnation}/{rank.tp_rank}"
+
+
+class PeerCache:
+    """A prefill rank's shared KV cache, mapped read-only: canonical views per layer, and
+    where each layer's blocks lie. Dropped once the prefill process is gone: the mapping
+    alone would keep its memory."""
+
+    def __init__(self, cache: SharedCache, layout: KVLayout, geometry: KVGeometry) -> None:
+        if not (match := FD_PATH_RE.fullmatch(cache.path)):
+            raise ConnectionError(f"shared KV cache path {cache.path!r} is not /proc/<pid>/fd/<n>")
+        try:  # the process first: a pidfd names it even if its pid is reused later
+            self._pidfd = os.pidfd_open(int(match[1]))
+            fd = os.open(cache.path, os.O_RDONLY)  # reopens the prefill's unlinked shm object
+        except OSError as exc:
+            raise ConnectionError(f"cannot open the prefill's KV cache: {exc}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_ino != cache.inode:
+                raise ConnectionError("the prefill's KV cache is not the object it advertised")
+            if st.st_size < cache.size:
+                raise ConnectionError("the prefill's KV cache is smaller than advertised")
+            self._map = mmap.mmap(fd, cache.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self._pidfd)
+            raise
+        finally:
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only on purpose: see transports/shm.py
+            warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+            flat = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.dtype)
+        try:  # as_strided refuses a shape or offset outside the mapping
+            tensors = [flat.as_strided(cache.shape, cache.strides, o) for o in cache.layer_offsets]
+            self.blocks = CacheBlocks.of(cache, layout)
+        except (RuntimeError, ValueError) as exc:
+            os.close(self._pidfd)
+            raise ConnectionError(f"the prefill's KV cache does not fit its map: {exc}") from None
+        self.layers = [layout.kv_views(t, geometry) for t in tensors]
+        self.addresses = [t.data_ptr() for t in tensors]
+
+    def alive(self) -> bool:
+        return not select.select([self._pidfd], [], [], 0)[0]  # readable once it exited
+
+    def close(self) -> None:
+        os.close(self._pidfd)
+
+
+class DirectReader:
+    """Peers' caches, mapped once each, and the copy out of them."""
+
+    def __init__(self, copies: CopyPool) -> None:
+        self._caches: dict[str, PeerCache] = {}
+        self._lock = threading.Lock()
+        self._copies = copies
+
+    def peer(
+        self, owner: str, cache: SharedCache, layout: KVLayout, geometry: KVGeometry
+    ) -> PeerCache:
+        """``owner`` names the prefill rank and its start (`owner_of`)."""
+        with self._lock:
+            if owner not in self._caches:
+                self._caches[owner] = PeerCache(cache, layout, geometry)
+            return self._caches[owner]
+
+    def forget(self, owner: str) -> None:
+        with self._lock:
+            cache = self._caches.pop(owner, None)
+        if cache is not None:
+            cache.close()
+
+    @property
+    def owners(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def drop_dead(self) -> None:
+        """Unmaps the caches of prefills that exited (cheap: a poll per mapped cache)."""
+        with self._lock:
+            dead = [owner for owner, cache in self._caches.items() if not cache.alive()]
+        for owner in dead:
+            self.forget(owner)
+
+    def copy(
+        self,
+        src: PeerCache,
+        src_blocks: Sequence[int],
+        dst: Sequence[torch.Tensor],
+        dst_blocks: Sequence[int],
+    ) -> int:
+        """Copies whole blocks from ``src`` into ``dst``, our layers as vLLM registered them
+        (the same layout); a second thread takes the ranges of the second half of the bytes."""
+        frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
+        half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
+        return self._copies.split(
+            lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]),
+            len(sizes),
+            int(sizes.sum()),
+            half,
+        )
+
+    def convert(
+        self,
+        src: PeerCache,
+        src_blocks: Sequence[int],
+        dst: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        dst_blocks: Sequence[int],
+        t0: int,
+        t1: int,
+    ) -> int:
+        """`copy_layers`: tokens ``[t0, t1)`` from every layer of ``src`` into our
+        canonical views ``dst``, in any layout and block size; a second thread takes the
+        second half of the layers."""
+        return self._copies.layers(src.layers, src_blocks, dst, dst_blocks, t0, t1)
+
+    def close(self) -> None:
+        for owner in list(self._caches):
+            self.forget(owner)

@@ -1,0 +1,148 @@
+"""What a worker rank learns once, at start-up: who it is (from vLLM's config), the KV cache
+vLLM registered with it, and what its handshake tells peers about both."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_spec, layer_groups, ordered_layers
+from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
+from vllm_qaic_connector.kv.layout_probe import resolved_layout, verify_vllm_cpu_layout
+from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
+from vllm_qaic_connector.protocol.wire import (
+    RankMetadata,
+    SharedCache,
+    TransportEndpoint,
+    compat_hash,
+)
+from vllm_qaic_connector.worker.this_rank import LocalCache, RankIdentity
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
+
+
+def rank_of(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+) -> tuple[RankIdentity, KVGeometry]:
+    """This rank's identity and the shape of its attention layers' KV."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    ktc = vllm_config.kv_transfer_config
+    assert ktc is not None
+    spec = attention_spec(kv_cache_config)
+    model_cfg = vllm_config.model_config
+    hf = model_cfg.hf_text_config
+    identity = RankIdentity(
+        engine_id=str(ktc.engine_id),
+        tp_rank=get_tensor_model_parallel_rank(),
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        total_kv_heads=model_cfg.get_total_num_kv_heads(),
+        model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
+        produces=bool(ktc.is_kv_producer),
+        ssm_groups=next(
+            (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
+        ),
+    )
+    geometry = KVGeometry(
+        num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
+        head_size=spec.head_size,  # type: ignore[attr-defined]
+        block_size=spec.block_size,
+        dtype=spec.dtype,  # type: ignore[attr-defined]
+    )
+    return identity, geometry
+
+
+def local_cache(
+    kv_caches: dict[str, torch.Tensor],
+    identity: RankIdentity,
+    geometry: KVGeometry,
+    groups: tuple[KVGroup, ...],
+    layer_modules: dict[str, Any],
+    layout: KVLayout | None = None,
+    verify_cpu_layout: bool = True,
+    layout_name: str | None = None,
+) -> LocalCache:
+    """The registered caches in layer order, their layout (``layout``, else the one vLLM
+    resolved, ``layout_name``) and, for Mamba layers, their recurrent state."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    state_names = ordered_layers(groups, state=True)
+    names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
+    tensors = [kv_caches[n] for n in names]
+    layout = layout or resolved_layout(layout_name)
+    if layout.kind == "vllm_cpu" and verify_cpu_layout:
+        verify_vllm_cpu_layout(geometry.block_size, geometry.head_size, geometry.dtype)
+    state = None
+    if state_names:
+        states = [state_tensors(n, kv_caches, layer_modules) for n in state_names]
+        splits = [
+            mixer_splits(layer_modules.get(n), t, identity.ssm_groups, identity.tp_size)
+            for n, t in zip(state_names, states, strict=True)
+        ]
+        state = RecurrentState(
+            tuple(states),
+            layer_groups(groups, state_names),
+            () if None in splits else tuple(s for s in splits if s is not None),
+            identity.tp_size,
+            identity.tp_rank,
+        )
+    return LocalCache(
+        layout, geometry, [layout.kv_views(t, geometry) for t in tensors], tensors,
+        layer_groups(groups, names), state,
+    )  # fmt: skip
+
+
+def state_tensors(
+    name: str, kv_caches: dict[str, Any], layer_modules: dict[str, Any]
+) -> tuple[torch.Tensor, ...]:
+    # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds the
+    # state views (conv, SSM) its kernels use.
+    module = layer_modules.get(name)
+    state = module.kv_cache if module is not None else kv_caches[name]
+    if not isinstance(state, (list, tuple)) or not all(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 for t in state
+    ):
+        raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
+    return tuple(state)
+
+
+def rank_metadata(
+    identity: RankIdentity,
+    incarnation: str,
+    cache: LocalCache,
+    groups: tuple[KVGroup, ...],
+    endpoint: TransportEndpoint,
+    shared: SharedCache | None,
+    host: str,
+) -> RankMetadata:
+    """What this rank's handshake says."""
+    geo, tensors = cache.geometry, cache.tensors
+    dtype = str(geo.dtype).removeprefix("torch.")
+    total_heads = identity.total_kv_heads
+    windows = tuple(groups[g].window for g in cache.layer_groups) if groups else ()
+    states = cache.state.signature() if cache.state else ()
+    return RankMetadata(
+        engine_id=identity.engine_id,
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+        layout_kind=cache.layout.kind,
+        block_size=geo.block_size,
+        num_blocks=tensors[0].shape[cache.layout.block_dim],
+        num_kv_heads=total_heads,
+        head_size=geo.head_size,
+        dtype=dtype,
+        num_layers=len(tensors),
+        model=identity.model,
+        compat_hash=compat_hash(
+            identity.model, dtype, len(tensors), total_heads, geo.head_size, windows, states
+        ),
+        endpoint=endpoint,
+        incarnation=incarnation,
+        cache=shared,
+        host=host,
+    )
