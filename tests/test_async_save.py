@@ -35,6 +35,13 @@ PAGE = 4096
 GEN = (7 << 32) + 3
 
 
+def save_spec(request_id: str, blocks: list[int], n: int, offset: int, gen: int) -> SaveSpec:
+    return SaveSpec(
+        request_id=request_id, block_ids=(blocks,), num_tokens=n, staging_offset=offset,
+        layout_kind="vllm_cpu", block_size=32, generation=gen,
+    )  # fmt: skip
+
+
 @pytest.fixture
 def pair():
     tag = f"qaic_kv_as{os.getpid()}_{random.randrange(1 << 30):x}"
@@ -104,8 +111,8 @@ def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save(monkeyp
     reader = ShmTransport(f"qaic_kv_as{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
     try:
         n, blocks = 70, [5, 2, 9]
-        spec = SaveSpec("p1", (blocks,), n, 0, "vllm_cpu", 32, GEN)
-        other = SaveSpec("p2", ([7],), 20, 1 << 20, "vllm_cpu", 32, GEN + 1)
+        spec = save_spec("p1", blocks, n, 0, GEN)
+        other = save_spec("p2", [7], 20, 1 << 20, GEN + 1)
         gate = threading.Event()
         worker.saves.saver.submit(gate.wait)  # the save thread is busy with an earlier save
         worker.bind(QAICConnectorMetadata(saves=[spec, other]))
@@ -161,7 +168,7 @@ def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatc
     reader = ShmTransport(f"qaic_kv_in{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
     try:
         n, blocks = 70, [5, 2, 9]  # 70 tokens x 2 layers x 2 heads x 32 x fp32 x K,V: 70 KiB
-        spec = SaveSpec("p1", (blocks,), n, 0, "vllm_cpu", 32, GEN)
+        spec = save_spec("p1", blocks, n, 0, GEN)
         worker.bind(QAICConnectorMetadata(saves=[spec]))
         worker.wait_for_save()
         inline = inline_bytes >= 70 << 10

@@ -51,7 +51,10 @@ def test_a_save_waits_for_the_forward_still_writing_its_blocks(waits, monkeypatc
     n, blocks = 200, list(range(13, 0, -1))
 
     def save(request_id: str, offset: int) -> None:
-        spec = SaveSpec(request_id, (blocks,), n, offset, "LBNHC", 16, (5 << 32) + 1, (0,))
+        spec = SaveSpec(
+            request_id=request_id, block_ids=(blocks,), num_tokens=n, staging_offset=offset,
+            layout_kind="LBNHC", block_size=16, generation=(5 << 32) + 1,
+        )  # fmt: skip
         w.bind(QAICConnectorMetadata(saves=[spec]))
         w.wait_for_save()
 

@@ -112,7 +112,10 @@ def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
     worker = make_worker({**args, "engine": f"hy{os.getpid()}", "extra": {}}, seed=1)
     try:
         sliding, full = [0, 0, 0, 0, 9, 8, 7], [1, 2, 3, 4, 5, 6, 7]  # 0: vLLM's null block
-        spec = LoadSpec("d1", (sliding, full), 0, None, "bad", starts=(64, 0), claimed=99)
+        spec = LoadSpec(
+            request_id="d1", block_ids=(sliding, full), first_token=0, remote=None,
+            error="bad", starts=(64, 0), claimed=99,
+        )  # fmt: skip
         assert worker.loads.failed(spec, "bad").failed_blocks == {1, 2, 3, 4, 5, 6, 7, 8, 9}
         # Through the worker's step: block ids are per group, so vLLM is told by request id.
         worker.bind(QAICConnectorMetadata(loads=[spec]))

@@ -1,4 +1,4 @@
-"""QAIC KV buffer names: prefix rules, renaming and selection (table-driven)."""
+"""QAIC KV buffer names: prefix rules, renaming and matching (table-driven)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from vllm_qaic_connector.qaic.buffers import (
     apply_prefix,
     kv_buffer_regex,
     parse_kv_name,
-    select_kv_buffers,
     validate_prefix,
 )
 
@@ -40,7 +39,6 @@ def test_invalid_prefix_is_refused_naming_it(bad):
     for call in (
         lambda: kv_buffer_regex(bad),
         lambda: apply_prefix("past_key.0", bad),
-        lambda: select_kv_buffers(["past_key.0"], bad),
     ):
         with pytest.raises(ValueError, match="invalid kv_cache_prefix"):
             call()
@@ -138,66 +136,5 @@ def test_regex_selects_exactly_the_kv_names(name, prefix, want):
 
 def test_layer_index_with_leading_zero_is_refused():
     with pytest.raises(ValueError, match="non-canonical layer index"):
-        select_kv_buffers(["past_key.01"], None)
-    assert select_kv_buffers(["past_key.0", "past_key.10"], None) == {
-        (0, "key"): "past_key.0",
-        (10, "key"): "past_key.10",
-    }
-
-
-SELECT_TABLE = [
-    # names, prefix, expected mapping
-    (
-        ["past_key.1", "past_key.10", "past_value.1", "past_value.10"],
-        None,
-        {(1, "key"): "past_key.1", (1, "value"): "past_value.1",
-         (10, "key"): "past_key.10", (10, "value"): "past_value.10"},
-    ),
-    (   # mixed: vision buffers and the other prefix's KV are ignored
-        [*VISION, "past_key.0_a", "past_value.0_a", "past_key.0_ab", "past_value.0_ab",
-         "past_key.0", "past_value.0"],
-        "a",
-        {(0, "key"): "past_key.0_a", (0, "value"): "past_value.0_a"},
-    ),
-    (
-        [*VISION, "past_key.0_a", "past_value.0_a", "past_key.0_ab", "past_value.0_ab"],
-        "ab",
-        {(0, "key"): "past_key.0_ab", (0, "value"): "past_value.0_ab"},
-    ),
-    (   # a QPC binding list: input and retained output of the same state -> RetainedState
-        ["past_key.0_P", "past_key.0_P_RetainedState", "past_value.0_P_RetainedState",
-         "past_value.0_P", "vision_embeds_RetainedState"],
-        "P",
-        {(0, "key"): "past_key.0_P_RetainedState", (0, "value"): "past_value.0_P_RetainedState"},
-    ),
-    (   # subfunction export: Internal beats the bare input, RetainedState beats Internal
-        ["past_key.0_P", "past_key.0_P_InternalRetainedState", "past_value.0_P_RetainedState",
-         "past_value.0_P_InternalRetainedState", "past_value.0_P"],
-        "P",
-        {(0, "key"): "past_key.0_P_InternalRetainedState",
-         (0, "value"): "past_value.0_P_RetainedState"},
-    ),
-    (VISION, None, {}),
-    ([], "P", {}),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("names, prefix, want", SELECT_TABLE)
-def test_select_kv_buffers(names, prefix, want):
-    assert select_kv_buffers(names, prefix) == want
-    # Order of the binding list does not matter.
-    assert select_kv_buffers(list(reversed(names)), prefix) == want
-    assert list(select_kv_buffers(names, prefix)) == sorted(want)
-
-
-@pytest.mark.parametrize(
-    "names, match",
-    [
-        (["past_key.0_P", "past_key.0_P"], "listed twice"),
-        (["vision_embeds", "vision_embeds"], "listed twice"),
-        (["past_key.0_P_RetainedState", "past_key.00_P_RetainedState"], "non-canonical"),
-    ],
-)
-def test_select_kv_buffers_refuses_duplicates(names, match):
-    with pytest.raises(ValueError, match=match):
-        select_kv_buffers(names, "P")
+        parse_kv_name("past_key.01", kv_buffer_regex(None))
+    assert parse_kv_name("past_key.10", kv_buffer_regex(None)) == (10, "key", "")

@@ -81,8 +81,9 @@ def run_handoff(
     if window:  # the sliding-window group has its own block table
         src_blocks[0] = list(range(1, n_src_blocks + 1))
     save = SaveSpec(
-        "r1", tuple(src_blocks), num_tokens, 4096, p_layout, p_block, generation, starts
-    )
+        request_id="r1", block_ids=tuple(src_blocks), num_tokens=num_tokens, staging_offset=4096,
+        layout_kind=p_layout, block_size=p_block, generation=generation, starts=starts,
+    )  # fmt: skip
     procs, pre = start_ranks(
         prefill_rank,
         p_tp,
@@ -145,14 +146,17 @@ def run_handoff(
     )
     claimed = tokens_to_load(num_tokens, d_groups)
     d_blocks = [list(range(3, 3 + blocks_for_tokens(claimed, d_block)))]
-    load = LoadSpec("d1", (d_blocks[0],), first_token, remote, holds_until=holds_until)
+    load = LoadSpec(
+        request_id="d1", block_ids=(d_blocks[0],), first_token=first_token, remote=remote,
+        holds_until=holds_until,
+    )  # fmt: skip
     if window:  # the decode keeps the window's blocks; vLLM's null block (0) pads the rest
         d_starts = load_starts(d_groups, claimed, first_token)
         kept = kept_start(claimed, window, d_block) // d_block
         sliding = [0] * kept + [22 - i for i in range(len(d_blocks[0]) - kept)]
         load = LoadSpec(
-            "d1", (sliding, d_blocks[0]), first_token, remote, None, holds_until, d_starts,
-            claimed,
+            request_id="d1", block_ids=(sliding, d_blocks[0]), first_token=first_token,
+            remote=remote, holds_until=holds_until, starts=d_starts, claimed=claimed,
         )  # fmt: skip
     for q in dec:
         q[0].put(load)

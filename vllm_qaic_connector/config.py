@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
 
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
-
-PREFIX_RE = re.compile(r"[A-Za-z0-9]+")  # ASCII only: it becomes part of buffer names
 
 
 class ConnectorConfig(
@@ -41,7 +38,6 @@ class ConnectorConfig(
     # handshake can READ any block: opt in where every peer is trusted (set a key).
     direct_reads: bool = True
     nixl_direct_reads: bool = False
-    kv_cache_prefix: str | None = None
     # A prefill's decodes ("host:port" side channels), for routers that name none: where
     # they all take one format, the prefill stages in it (or lets them read its cache).
     decode_peers: tuple[str, ...] = ()
@@ -79,8 +75,6 @@ class ConnectorConfig(
             host, _, port = peer.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"decode_peers: {peer!r} is not host:port")
-        if self.kv_cache_prefix is not None and not PREFIX_RE.fullmatch(self.kv_cache_prefix):
-            raise ValueError(f"kv_cache_prefix must be alphanumeric, got {self.kv_cache_prefix!r}")
 
     @property
     def advertise_host(self) -> str:

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm_qaic_connector.protocol.wire import RemotePrefill
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SaveSpec:
     """Stage tokens ``[starts[g], num_tokens)`` of each KV cache group ``g``, held in
     ``block_ids[g]``, at ``staging_offset``, laid out as ``layout_kind`` blocks of
@@ -34,7 +34,7 @@ class SaveSpec:
     direct: bool = False  # nothing to copy: the decode reads block_ids out of our cache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LoadSpec:
     """Load tokens ``[starts[g], remote.num_tokens)`` of each KV cache group ``g`` into
     ``block_ids[g]`` (which cover the request from token 0). ``first_token`` is the first

@@ -20,17 +20,12 @@ Rules (DESIGN.md "QAIC decode slots"):
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import NamedTuple
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9]+", re.ASCII)
 
 RETAINED = "_RetainedState"
 INTERNAL_RETAINED = "_InternalRetainedState"
-# Which of a layer's names is *the* buffer when a binding list holds several (see
-# select_kv_buffers): the public retained state first, since the runtime maps
-# `_InternalRetainedState` onto it and the bare input name aliases the same device state.
-_PREFERENCE = {RETAINED: 0, INTERNAL_RETAINED: 1, "": 2}
 
 
 def validate_prefix(prefix: str | None) -> str | None:
@@ -100,28 +95,3 @@ def parse_kv_name(name: str, pattern: re.Pattern[str]) -> KVName | None:
     if len(digits) > 1 and digits[0] == "0":
         raise ValueError(f"KV buffer {name!r} has a non-canonical layer index {digits!r}")
     return KVName(int(digits), m["kind"], m["suffix"] or "")
-
-
-def select_kv_buffers(names: Iterable[str], prefix: str | None) -> dict[tuple[int, str], str]:
-    """Map ``(layer, "key"|"value")`` to the one buffer name to write, from a program's names.
-
-    A QPC's binding list names a layer's KV state both as input (``past_key.0_P``) and as
-    retained output (``past_key.0_P_RetainedState`` or ``_InternalRetainedState``); they are
-    the same device state, so one is chosen: ``_RetainedState`` > ``_InternalRetainedState``
-    > the bare input name. A name listed twice or a non-canonical layer index raise
-    ValueError. Non-KV names are ignored.
-    """
-    pattern = kv_buffer_regex(prefix)
-    chosen: dict[tuple[int, str], tuple[int, str]] = {}  # (layer, kind) -> (rank, name)
-    seen: set[str] = set()
-    for name in names:
-        if name in seen:
-            raise ValueError(f"buffer name {name!r} is listed twice")
-        seen.add(name)
-        parsed = parse_kv_name(name, pattern)
-        if parsed is None:
-            continue
-        key, ranked = (parsed.layer, parsed.kind), (_PREFERENCE[parsed.suffix], name)
-        # Distinct canonical names never share (layer, kind, suffix), so ranks never tie.
-        chosen[key] = min(chosen.get(key, ranked), ranked)
-    return {key: name for key, (_, name) in sorted(chosen.items())}

@@ -86,14 +86,14 @@ class DecodeLoads:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))
             error = f"request {request.request_id}: {gap}" if gap else None
         self._pending[request.request_id] = LoadSpec(
-            request.request_id,
-            tuple(list(ids) for ids in blocks.get_block_ids()),
-            first_token,
-            remote,
-            error,
-            self.renewer.holds_until(request.request_id),
-            starts,
-            first_token + num_external_tokens,
+            request_id=request.request_id,
+            block_ids=tuple(list(ids) for ids in blocks.get_block_ids()),
+            first_token=first_token,
+            remote=remote,
+            error=error,
+            holds_until=self.renewer.holds_until(request.request_id),
+            starts=starts,
+            claimed=first_token + num_external_tokens,
         )
 
     def take(self) -> list[LoadSpec]:

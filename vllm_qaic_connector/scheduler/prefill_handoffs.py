@@ -248,17 +248,17 @@ class PrefillHandoffs:
             )
             out.starts = staged_starts(groups, num_tokens, out.target.block_size, held)
         return SaveSpec(
-            req.request_id,
-            block_ids,
-            num_tokens,
-            out.offset,
-            out.target.layout_kind,
-            out.target.block_size,
-            out.generation if final else 0,
-            out.starts,
-            out.saved_to,
-            last,
-            out.target.direct,
+            request_id=req.request_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            staging_offset=out.offset,
+            layout_kind=out.target.layout_kind,
+            block_size=out.target.block_size,
+            generation=out.generation if final else 0,
+            starts=out.starts,
+            first=out.saved_to,
+            last=last,
+            direct=out.target.direct,
         )
 
     def take_await_saves(self) -> list[str]:
