@@ -1,5 +1,11 @@
-"""KV transports behind one interface. A new transport is one new `KVTransport` subclass,
-named in `create_transport`."""
+"""KV transports behind one interface (`base.KVTransport`). A new transport is one new
+module here, named by its kind, holding one `KVTransport` subclass: nothing else in the
+package names a transport.
+
+It may import `kv` (byte runs, native copies) and `protocol`; never either half of the
+connector, `qaic` or vLLM."""
+
+import importlib
 
 from vllm_qaic_connector.transports.base import KVTransport, staging_name
 
@@ -11,12 +17,9 @@ def create_transport(
 ) -> KVTransport:
     """``timeout_s`` bounds every read; ``stages``: this rank saves into its staging (else
     the transport commits no memory to it)."""
-    if kind == "shm":
-        from vllm_qaic_connector.transports.shm import ShmTransport
-
-        return ShmTransport(name, staging_bytes, stages=stages)
-    if kind == "nixl":
-        from vllm_qaic_connector.transports.nixl import NixlTransport
-
-        return NixlTransport(name, staging_bytes, timeout_s=timeout_s, stages=stages)
-    raise ValueError(f"unknown transport {kind!r}; choose one of shm, nixl")
+    try:
+        importlib.import_module(f"{__name__}.{kind}")
+        cls = KVTransport.kinds[kind]
+    except (ImportError, KeyError):
+        raise ValueError(f"unknown transport {kind!r}: no KVTransport of that kind") from None
+    return cls(name, staging_bytes, timeout_s=timeout_s, stages=stages)

@@ -31,10 +31,18 @@ class KVTransport(ABC):
     """Moves staged KV bytes from a prefill rank to a decode rank."""
 
     kind: ClassVar[str]
+    kinds: ClassVar[dict[str, type[KVTransport]]] = {}  # every subclass, by its kind
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        KVTransport.kinds[cls.kind] = cls
 
     @abstractmethod
-    def __init__(self, name: str, staging_bytes: int) -> None:
-        """Create this rank's staging region, named ``name``, of ``staging_bytes``."""
+    def __init__(
+        self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, stages: bool = True
+    ) -> None:
+        """Create this rank's staging region, named ``name``, of ``staging_bytes`` (none
+        where it does not ``stages``); ``timeout_s`` bounds every read."""
 
     @property
     @abstractmethod

@@ -178,11 +178,13 @@ class ShmTransport(KVTransport):
     kind = "shm"
     direct_reads_key = "direct_reads"
 
-    def __init__(self, name: str, staging_bytes: int, *, stages: bool = True) -> None:
+    def __init__(
+        self, name: str, staging_bytes: int, *, timeout_s: float = 0.0, stages: bool = True
+    ) -> None:
         """A name ending in ``_<incarnation>``: dead siblings (other incarnations) go first.
         An engine that only loads (``stages`` False, or ``staging_bytes`` 0) maps its
         peers' segments and has none of its own, so none can outlive it when vLLM
-        force-kills its worker."""
+        force-kills its worker. Reads are local copies: ``timeout_s`` bounds nothing."""
         reclaim_dead_segments(name.rpartition("_")[0] + "_")
         own = stages and staging_bytes > 0
         self._own = SharedSegment(name, staging_bytes, create=True) if own else None
