@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_qaic_connector import bench, copy_pool, direct_reads
+from vllm_qaic_connector import bench
+from vllm_qaic_connector.kv import copy_pool
 from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.transports.shm import SHM_DIR
+from vllm_qaic_connector.worker import direct_reads
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16

@@ -11,11 +11,12 @@ import torch
 
 from tests.rank_worker import LAYERS, make_worker
 from tests.test_worker_ranks import VLLM_LAYOUTS, VLLM_PAIRS, full_heads, run_handoff
-from vllm_qaic_connector import bench, request_saves
+from vllm_qaic_connector import bench
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
 from vllm_qaic_connector.kv.layout import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES
+from vllm_qaic_connector.worker import request_saves
 
 pytestmark = [
     pytest.mark.cuda,
