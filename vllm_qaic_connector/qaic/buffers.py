@@ -7,7 +7,7 @@ QEfficient's ``kv_cache_prefix`` P inserts ``_P`` after the layer index so a con
 select the LLM's KV and never touch vision/multimodal buffers (``vision_embeds_RetainedState``,
 ``pixel_values``, ...). Pure: no I/O, no vLLM.
 
-Rules (DESIGN.md "QAIC decode slots"):
+Rules (docs/design.md, "The QAIC decode target"):
 
 * A prefix is ASCII letters and digits only, at least one character.
 * With a prefix P, only ``past_{key,value}.{i}_P[_RetainedState|_InternalRetainedState]``
