@@ -7,7 +7,7 @@ those slot bytes with transformers. Same tokens as vLLM means the slot bytes are
         [--programs 2]
 
 Over shm the device DMAs from the prefill's staging; over NIXL the slot buffers are registered
-with a NIXL agent and the READ lands straight in slot k (qaic_slot_pull).
+with a NIXL agent and the READ lands straight in slot k (qaic.slot_pull).
 """
 
 from __future__ import annotations

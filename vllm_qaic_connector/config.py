@@ -14,7 +14,8 @@ from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 class ConnectorConfig(
     msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, dict=True
 ):
-    """``kv_connector_extra_config`` of ``--kv-transfer-config``. docs/configuration.md lists every key."""
+    """``kv_connector_extra_config`` of ``--kv-transfer-config``; docs/configuration.md
+    lists every key."""
 
     transport: Literal["shm", "nixl"] = "shm"
     side_channel_host: str = "127.0.0.1"

@@ -22,7 +22,7 @@ HASH_RE = re.compile(r"[0-9a-f]{32}")
 ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")
 
 
-# The physical KV layouts peers name (layout.py has one class per name): vLLM's six
+# The physical KV layouts peers name (kv/layout.py has one class per name): vLLM's six
 # `KVCacheLayout` orders, vLLM CPU's packing and the QAIC slots. Here, not there: the
 # proxy reads tickets and must not import torch.
 LAYOUT_KINDS = (
@@ -64,7 +64,7 @@ class TransportEndpoint(msgspec.Struct, frozen=True):
 class SharedCache(msgspec.Struct, frozen=True, kw_only=True):
     """A prefill rank's KV cache, readable by its peers: moved into shared memory (shm) or
     registered with its NIXL agent at start-up. A decode rank with the same layout, block
-    size and TP copies a prompt's blocks straight out of it (`direct_reads.py`): no staging."""
+    size and TP copies a prompt's blocks straight out of it (`worker.direct_reads`): no staging."""
 
     size: int
     shape: tuple[int, ...]  # every layer's physical shape

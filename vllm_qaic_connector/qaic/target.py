@@ -37,7 +37,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class BufferSpec(msgspec.Struct, frozen=True):
     """One named program buffer. KV buffers are ``[slots, heads, ctx, head_dim]``; the
-    layer and K/V a buffer holds come from its name (see qaic_buffers)."""
+    layer and K/V a buffer holds come from its name (see qaic.buffers)."""
 
     name: str
     shape: tuple[int, ...]
