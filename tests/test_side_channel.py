@@ -212,7 +212,7 @@ def test_check_ranks_accepts_valid_and_names_the_bad_field():
     # A shm decode that only loads has no segment; a prefill handshaking with it for its
     # format must accept that (a refusal made every such prefill stage in its own format).
     assert check_ranks([rank(endpoint=TransportEndpoint("shm", "", 0))]) is None
-    assert "not the segment" in (
+    assert "is not the name its handshake implies" in (
         check_ranks([rank(endpoint=TransportEndpoint("shm", "a", 0))]) or ""
     )
 
