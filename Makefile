@@ -28,8 +28,8 @@ clean:
 # Issue #9 soak: 500 requests at concurrency 16 through 1P1D + proxy, shm then NIXL.
 .PHONY: soak
 soak: setup
-	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport shm
-	$(PY) -m tests.soak --requests 500 --concurrency 16 --transport nixl
+	$(PY) -m testbed.soak --requests 500 --concurrency 16 --transport shm
+	$(PY) -m testbed.soak --requests 500 --concurrency 16 --transport nixl
 
 # Issue #13: aggregated vs this connector vs vLLM's NixlConnector, 64 prompts, concurrency 8 and 1,
 # and open loop at the aggregated server's throughput.

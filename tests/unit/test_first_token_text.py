@@ -1,0 +1,122 @@
+"""The client's text through the proxy's first-token path equals the aggregated server's,
+token for token, as vLLM's own detokenizer writes both.
+
+vLLM detokenizes incrementally (`FastIncrementalDetokenizer`, a tokenizers `DecodeStream`
+primed with the prompt). A decode whose prompt is the prompt plus the prefill's token
+primes its stream differently from an aggregated server that generated that token, and
+where the token is not whole UTF-8 text the two texts part. Here a byte-level BPE tokenizer
+trained like the random models' (many tokens split characters) and vLLM's detokenizer play
+the three servers: aggregated, prefill (one token) and decode (the rest), and the proxy's
+`FirstToken` joins the last two, or declines and leaves the first token to the decode.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from typing import Any
+
+import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import get_tokenizer
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+from testbed.model import ROOT
+from vllm_qaic_connector.proxy.first_token import FirstToken
+from vllm_qaic_connector.tickets import prompt_hash
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_random_model import SPECIAL, train_tokenizer  # noqa: E402
+
+EOS = SPECIAL.index("<eos>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tmp_path_factory.mktemp("byte-bpe")
+    train_tokenizer(path)
+    return get_tokenizer(str(path))
+
+
+def serve(tokenizer: Any, prompt: list[int], tokens: list[int]) -> tuple[str, list[int], str]:
+    """What a vLLM server answers when its model generates ``tokens`` (greedy, up to the
+    first EOS): text, token ids, finish reason."""
+    request = EngineCoreRequest(
+        "r", prompt, None, SamplingParams(max_tokens=len(tokens)), None, 0.0, None, None, None
+    )
+    detok = IncrementalDetokenizer.from_new_request(tokenizer, request)
+    finish = "length"
+    for t in tokens:
+        detok.update([t], stop_terminated=t == EOS)
+        if t == EOS:
+            finish = "stop"
+            break
+    return detok.get_next_output_text(finished=True, delta=False), detok.output_token_ids, finish
+
+
+def ticket(prompt: list[int]) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1",
+        "remote_port": 5600, "remote_request_id": "p-1", "num_tokens": len(prompt),
+        "staging_offset": 0, "staged_layout": "vllm_cpu", "staged_block_size": 128,
+        "incarnation": "feedfacefeedface", "generation": 1 << 32,
+        "prompt_hash": prompt_hash(prompt), "lease_s": 60.0, "expires_at": time.time() + 60,
+    }  # fmt: skip
+
+
+def test_the_joined_text_is_the_aggregated_text_or_the_decode_answers_alone(tokenizer):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    joined = declined = naive_wrong = 0
+    for _ in range(600):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+        # Mostly ordinary tokens, sometimes a special one (EOS ends the answer).
+        tokens = [rng.randrange(0, vocab) if rng.random() < 0.1 else rng.randrange(3, vocab)
+                  for _ in range(rng.randint(1, 6))]  # fmt: skip
+        body = {"prompt": "...", "max_tokens": len(tokens), "temperature": 0,
+                "return_token_ids": True}  # fmt: skip
+        agg_text, agg_ids, _ = serve(tokenizer, prompt, tokens)
+        text, ids, finish = serve(tokenizer, prompt, tokens[:1])
+        prefilled = {
+            "id": "cmpl-p",
+            "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                         "prompt_token_ids": prompt, "token_ids": ids}],
+            "kv_transfer_params": ticket(prompt),
+        }  # fmt: skip
+        first = FirstToken.of(prefilled, body)
+        if first is None:
+            declined += 1  # the decode computes the first token itself: vLLM's own answer
+            continue
+        if first.finished:
+            answer = first.answer["choices"][0]
+            assert (answer["text"], answer["token_ids"]) == (agg_text, agg_ids)
+            continue
+        rest_text, rest_ids, _ = serve(tokenizer, prompt + ids, tokens[1:])
+        decoded = {"choices": [{"text": rest_text, "token_ids": rest_ids}], "usage": None}
+        choice = first.joined(decoded)["choices"][0]
+        assert choice["text"] == agg_text, (prompt, tokens)
+        assert choice["token_ids"] == agg_ids and choice["prompt_token_ids"] == prompt
+        joined += 1
+    for _ in range(600):  # how often a join without the rule would have been wrong
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+        tokens = [rng.randrange(3, vocab) for _ in range(4)]
+        agg_text = serve(tokenizer, prompt, tokens)[0]
+        text = serve(tokenizer, prompt, tokens[:1])[0]
+        naive_wrong += text + serve(tokenizer, prompt + tokens[:1], tokens[1:])[0] != agg_text
+    print(f"joined {joined}, declined {declined}, a blind join wrong in {naive_wrong} of 600")
+    assert joined > 100 and naive_wrong > 10  # both paths ran, and the rule was needed
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"seed": 7, "temperature": 0.8}, {"spaces_between_special_tokens": False},
+     {"return_token_ids": True, "stream": True}],
+    ids=["seeded sampler", "no spaces between special tokens", "token ids streamed"],
+)  # fmt: skip
+def test_state_carried_across_the_first_token_keeps_the_decodes_own(extra):
+    from vllm_qaic_connector.proxy.first_token import eligible
+
+    assert eligible({"prompt": "a b c"}, chat=False)
+    assert not eligible({"prompt": "a b c", **extra}, chat=False)

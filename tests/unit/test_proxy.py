@@ -1,0 +1,692 @@
+"""The disaggregation proxy without vLLM: its routing and prefill request on their own, then the
+real proxy app in front of small aiohttp stand-ins for the prefill and decode engines, with a
+real side-channel server recording the early releases the proxy sends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from testbed.ports import free_port
+from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
+from vllm_qaic_connector.proxy import first_token
+from vllm_qaic_connector.proxy.routing import LeastOutstanding, Router
+from vllm_qaic_connector.proxy.server import Proxy, prefill_body, unsupported
+
+PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
+CHUNKS = [
+    b'data: {"choices":[{"index":0,"text":"Hel"}]}\n\n',
+    b'data: {"choices":[{"index":0,"text":"lo"}]}\n\n',
+    b'data: {"choices":[{"index":0,"text":"!"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+WAIT_S = 5.0  # the longest any stand-in or poll waits for something that should happen at once
+
+pytestmark = pytest.mark.anyio  # the async tests, on anyio_backend's loop
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # aiohttp runs on asyncio only
+
+
+# --- routing --------------------------------------------------------------------------------
+
+
+def test_least_outstanding_picks_the_least_busy_and_rotates_ties() -> None:
+    pool = LeastOutstanding(["a", "b", "c"])
+    assert sorted(pool.pick() for _ in range(3)) == ["a", "b", "c"]  # an idle pool rotates
+    with pool.busy("a"), pool.busy("a"), pool.busy("b"):
+        assert pool.pick() == "c"
+        with pool.busy("c"):
+            assert pool.pick() == "b"
+    assert pool.outstanding == {"a": 0, "b": 0, "c": 0}
+
+
+def test_a_busy_backend_gets_nothing_while_another_is_idle() -> None:
+    pool = LeastOutstanding(["slow", "idle"])
+    with pool.busy("slow"):  # one slow request in flight
+        picks = []
+        for _ in range(5):
+            backend = pool.pick()
+            picks.append(backend)
+            with pool.busy(backend):  # each of these ends before the next arrives
+                pass
+    assert picks == ["idle"] * 5
+
+
+def test_pairs_cycle_through_every_prefill_decode_pair() -> None:
+    router = Router(["p1", "p2"], ["d1", "d2", "d3"], "pairs")
+    first = [router.route() for _ in range(6)]
+    assert sorted(first) == [(p, d) for p in ("p1", "p2") for d in ("d1", "d2", "d3")]
+    assert [router.route() for _ in range(6)] == first
+
+
+def test_a_bad_routing_mode_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="least-outstanding, pairs"):
+        Router(["p"], ["d"], "random")
+
+
+# --- the prefill leg's request --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+def test_the_prefill_leg_asks_for_one_token_and_never_streams(chat: bool, limit: str) -> None:
+    body = {
+        "model": "m",
+        "prompt": "hi",
+        limit: 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 3,
+        "echo": True,
+        "some_new_field": {"x": 1},
+    }
+    out = prefill_body(body, chat, "10.0.0.2:5557")
+    limits = {k: out[k] for k in ("max_tokens", "max_completion_tokens") if k in out}
+    assert limits and set(limits.values()) == {1}, limits
+    if chat or limit == "max_completion_tokens":
+        assert out["max_completion_tokens"] == 1  # the limit the server reads first
+    assert out["stream"] is False
+    assert not {"stream_options", "logprobs", "echo"} & out.keys()
+    assert out["some_new_field"] == {"x": 1} and out["model"] == "m"
+    assert out["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "decode_host": "10.0.0.2",
+        "decode_port": 5557,
+    }
+    assert body[limit] == 50 and body["stream"] is True  # the client's body is untouched
+
+
+def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
+    out = prefill_body({"prompt": "hi"}, False, "")
+    assert out["kv_transfer_params"] == {"do_remote_decode": True}
+
+
+@pytest.mark.parametrize(("field", "value"), [("n", 2), ("best_of", 3)])
+def test_several_choices_are_refused_naming_the_field(field: str, value: int) -> None:
+    problem = unsupported({"prompt": "hi", field: value})
+    assert problem is not None and problem.startswith(f"{field}={value}")
+
+
+def test_one_choice_is_fine() -> None:
+    assert unsupported({"prompt": "hi", "n": 1, "best_of": 1}) is None
+    assert unsupported({"prompt": "hi"}) is None
+
+
+# --- stand-in engines -----------------------------------------------------------------------
+
+
+def staged(request_id: str, side_port: int) -> dict[str, Any]:
+    """The kv_transfer_params a prefill returns: its staging, released over its side channel."""
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "prefill-0",
+        "remote_host": "127.0.0.1",
+        "remote_port": side_port,
+        "remote_request_id": request_id,
+        "num_tokens": 4,
+        "staging_offset": 0,
+        "staged_layout": "vllm_cpu",
+        "staged_block_size": 128,
+        "incarnation": "feedfacefeedface",
+        "generation": 1 << 32,
+        "prompt_hash": "0123456789abcdef" * 2,
+        "lease_s": 60.0,
+        "expires_at": time.time() + 60.0,
+    }
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """``app`` on a real port with web.run_app's settings (so a client going away does not
+    cancel the handler, unlike aiohttp's TestServer); its runner and base URL."""
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+class Backend(ABC):
+    """A small aiohttp server on a real port; records what each completion request sent."""
+
+    model = "backend"
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body)
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner, self.url = await serve(app)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((request.path, body))
+        return await self.complete(request, body)
+
+    @abstractmethod
+    async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """This backend's answer to a completion request."""
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model}]})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response()
+
+
+class Prefill(Backend):
+    """Answers with staged kv_transfer_params, after ``delay_s``; ``answer`` "kv-error" or
+    "reject" instead says the handoff failed, or refuses the request with HTTP 400."""
+
+    model = "prefill-model"
+    REJECTION = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
+
+    def __init__(self, side_port: int) -> None:
+        super().__init__()
+        self.side_port = side_port
+        self.answer = "staged"
+        self.delay_s = 0.0
+        self.finish_reason = "length"
+        self.token_ids = False  # whether it answers return_token_ids (older vLLM does not)
+        self.staged_tokens = len(PROMPT_IDS)  # one short: a model with Mamba layers
+        self.params: list[dict[str, Any]] = []  # the kv_transfer_params returned
+
+    async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(self.delay_s)
+        if self.answer == "reject":
+            return web.json_response(self.REJECTION, status=400)
+        if self.answer == "kv-error":
+            params: dict[str, Any] = {"error": "staging is full"}
+        else:
+            params = {**staged(f"pf-{len(self.requests)}", self.side_port)}
+            params["num_tokens"] = self.staged_tokens
+        self.params.append(params)
+        choice: dict[str, Any] = {"index": 0, "text": "x", "finish_reason": self.finish_reason}
+        if self.token_ids and body.get("return_token_ids"):
+            choice.update(prompt_token_ids=PROMPT_IDS, token_ids=[FIRST_ID])
+        usage = {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 1, "total_tokens": 4}
+        answer = {"id": "cmpl-p", "object": "text_completion", "choices": [choice]}
+        return web.json_response({**answer, "usage": usage, "kv_transfer_params": params})
+
+
+class Decode(Backend):
+    """Answers JSON, or (``answer`` "text") an HTTP 200 text/plain page. Streams CHUNKS: after
+    the first it waits for ``go`` (at most WAIT_S), or with ``answer`` "endless" it sends
+    events until its connection closes, which it reports as ``aborted``."""
+
+    model = "decode-model"
+
+    def __init__(self, name: str = "decode") -> None:
+        super().__init__()
+        self.name = name
+        self.answer = "json"
+        self.log: list[str] = []  # the stream's milestones, shared with the test's client
+        self.go = asyncio.Event()
+        self.aborted = asyncio.Event()
+
+    def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        choice = {"index": 0, "text": f"{self.name} says hi", "finish_reason": "length"}
+        usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        return {"id": self.name, "object": "text_completion", "choices": [choice], "usage": usage}
+
+    async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if self.answer == "text":
+            return web.Response(text="upstream exploded", content_type="text/plain")
+        if not body.get("stream"):
+            return web.json_response(self.answer_for(body))
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        if self.answer == "endless":
+            try:
+                for _ in range(int(WAIT_S / 0.02)):
+                    await out.write(CHUNKS[0])
+                    await asyncio.sleep(0.02)
+            except ConnectionResetError:
+                self.aborted.set()
+            return out
+        self.log.append("decode sends first")
+        await out.write(CHUNKS[0])
+        try:
+            await asyncio.wait_for(self.go.wait(), WAIT_S)
+        except asyncio.TimeoutError:
+            self.log.append("decode gave up waiting")
+        for chunk in CHUNKS[1:-1]:
+            await asyncio.sleep(0.02)
+            await out.write(chunk)
+        await asyncio.sleep(0.02)
+        self.log.append("decode sends last")
+        await out.write(CHUNKS[-1])
+        await out.write_eof()
+        return out
+
+
+class SideChannel:
+    """A real side-channel server, as a prefill runs it: records the releases it is sent."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+        self.server = SideChannelServer("127.0.0.1", free_port(), self._handle, None)
+
+    def _handle(self, msg: Message) -> Message:
+        if isinstance(msg, ReleaseRequest):
+            self.released.extend(msg.request_ids)
+        return Ok()
+
+    async def wait_released(self, request_id: str) -> list[str]:
+        deadline = time.monotonic() + WAIT_S
+        while request_id not in self.released and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self.released
+
+
+@pytest.fixture
+def side() -> Iterator[SideChannel]:
+    channel = SideChannel()
+    yield channel
+    channel.server.close()
+
+
+@pytest.fixture
+async def prefill(side: SideChannel) -> AsyncIterator[Prefill]:
+    backend = Prefill(side.server.port)
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+@pytest.fixture
+async def decode() -> AsyncIterator[Decode]:
+    backend = Decode()
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+@asynccontextmanager
+async def proxy(
+    prefills: list[str], decodes: list[str], **kw: Any
+) -> AsyncIterator[aiohttp.ClientSession]:
+    """The real proxy app on a real port, served as vllm-qaic-proxy serves it, and a client."""
+    runner, url = await serve(Proxy(prefills, decodes, **kw).app())
+    try:
+        async with aiohttp.ClientSession(base_url=url) as client:
+            yield client
+    finally:
+        await runner.cleanup()
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+async def error_of(resp: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
+    assert resp.status == status, await resp.text()
+    body: dict[str, Any] = (await resp.json())["error"]
+    return body
+
+
+PROMPT = {"model": "m", "prompt": "hi", "max_tokens": 5}
+
+
+# --- end to end -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_the_decode_gets_the_prefills_params_and_the_client_its_answer(
+    prefill: Prefill, decode: Decode, path: str
+) -> None:
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post(path, json={**PROMPT, "temperature": 0})
+        assert resp.status == 200, await resp.text()
+        assert await resp.json() == decode.answer_for(PROMPT)
+    [(prefill_path, to_prefill)] = prefill.requests
+    [(decode_path, to_decode)] = decode.requests
+    assert prefill_path == decode_path == path
+    assert to_prefill["max_tokens"] == 1 and to_prefill["kv_transfer_params"]["do_remote_decode"]
+    assert to_decode == {**PROMPT, "temperature": 0, "kv_transfer_params": prefill.params[0]}
+
+
+async def test_a_stream_comes_through_as_it_is_sent(prefill: Prefill, decode: Decode) -> None:
+    received = b""
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        async for piece in resp.content.iter_any():
+            if not received:
+                decode.log.append("client got first")
+                decode.go.set()
+            received += piece
+    assert decode.log == ["decode sends first", "client got first", "decode sends last"]
+    assert received == b"".join(CHUNKS)
+    assert decode.requests[0][1]["stream"] is True
+    assert prefill.requests[0][1]["stream"] is False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_prefill_legs_time_is_in_server_timing(
+    prefill: Prefill, decode: Decode, stream: bool
+) -> None:
+    prefill.delay_s = 0.3
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        t0 = time.monotonic()
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+        await resp.read()
+        elapsed_ms = (time.monotonic() - t0) * 1e3
+    name, _, dur = resp.headers["Server-Timing"].partition(";dur=")
+    assert name == "prefill" and 300 <= float(dur) <= elapsed_ms
+
+
+async def test_a_busy_decode_gets_no_requests_while_another_is_idle(
+    prefill: Prefill, decode: Decode
+) -> None:
+    idle = Decode("idle")
+    await idle.start()
+    try:
+        async with proxy([prefill.url], [decode.url, idle.url]) as client:
+            slow = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+            await slow.content.readany()  # the stream is under way on the first decode
+            for _ in range(3):
+                resp = await client.post("/v1/completions", json=PROMPT)
+                assert (await resp.json())["id"] == "idle"
+            decode.go.set()
+            await slow.read()
+    finally:
+        await idle.stop()
+    assert len(decode.requests) == 1 and len(idle.requests) == 3
+
+
+async def test_a_decode_leg_down_is_503_and_releases_the_staging(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    async with proxy([prefill.url], [dead_url()]) as client:
+        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
+    assert "decode leg" in error["message"] and "unreachable" in error["message"]
+    assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+async def test_a_silent_decode_leg_is_504_and_releases_the_staging(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    with socket.socket() as silent:  # listens (the kernel completes connections), never answers
+        port = free_port()
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)
+        async with proxy([prefill.url], [f"http://127.0.0.1:{port}"], decode_timeout_s=1) as client:
+            error = await error_of(await client.post("/v1/completions", json=PROMPT), 504)
+    assert "decode leg" in error["message"] and "timed out" in error["message"]
+    assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+async def test_a_decode_answering_non_json_is_502_and_releases_the_staging(
+    prefill: Prefill, decode: Decode, side: SideChannel
+) -> None:
+    decode.answer = "text"
+    async with proxy([prefill.url], [decode.url]) as client:
+        error = await error_of(await client.post("/v1/completions", json=PROMPT), 502)
+    assert "decode leg" in error["message"] and "upstream exploded" in error["message"]
+    assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+async def test_a_prefill_leg_down_is_503(decode: Decode) -> None:
+    async with proxy([dead_url()], [decode.url]) as client:
+        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
+    assert "prefill leg" in error["message"]
+    assert decode.requests == []
+
+
+async def test_a_backend_400_passes_through(prefill: Prefill, decode: Decode) -> None:
+    prefill.answer = "reject"
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert resp.status == 400
+        assert await resp.json() == Prefill.REJECTION
+    assert decode.requests == []
+
+
+async def test_a_failed_handoff_is_503_kv_handoff_error(prefill: Prefill, decode: Decode) -> None:
+    prefill.answer = "kv-error"
+    async with proxy([prefill.url], [decode.url]) as client:
+        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
+    assert error["type"] == "KVHandoffError" and "staging is full" in error["message"]
+    assert decode.requests == []
+
+
+@pytest.mark.parametrize(
+    ("data", "names"),
+    [
+        (b'{"prompt": "hi", "n": 2}', "n=2"),
+        (b'["hi"]', "JSON object"),
+        (b"hi", "JSON object"),
+    ],
+    ids=["n=2", "array", "not-json"],
+)
+async def test_bad_requests_are_400_before_any_leg(
+    prefill: Prefill, decode: Decode, data: bytes, names: str
+) -> None:
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", data=data)
+        assert names in (await error_of(resp, 400))["message"]
+    assert prefill.requests == [] and decode.requests == []
+
+
+async def test_health_lists_each_backend(prefill: Prefill, decode: Decode) -> None:
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.get("/health")
+        assert resp.status == 200
+        assert await resp.json() == {
+            "ok": True,
+            "prefill": {prefill.url: "ok"},
+            "decode": {decode.url: "ok"},
+        }
+    dead = dead_url()
+    async with proxy([prefill.url], [dead]) as client:
+        resp = await client.get("/health")
+        assert resp.status == 503
+        report = await resp.json()
+    assert report["ok"] is False and report["prefill"] == {prefill.url: "ok"}
+    assert report["decode"][dead].startswith("unreachable")
+
+
+async def test_models_come_from_a_decode(prefill: Prefill, decode: Decode) -> None:
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.get("/v1/models")
+        assert resp.status == 200
+        assert await resp.json() == {"object": "list", "data": [{"id": "decode-model"}]}
+
+
+async def test_a_client_leaving_mid_stream_aborts_the_decode_and_releases(
+    prefill: Prefill, decode: Decode, side: SideChannel
+) -> None:
+    decode.answer = "endless"
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        assert await resp.content.readany()
+        resp.close()  # the client goes away
+        await asyncio.wait_for(decode.aborted.wait(), WAIT_S)
+        assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+# --- the client's first token from the prefill ----------------------------------------------
+
+
+async def test_the_decode_continues_from_the_prefills_token(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.token_ids = True
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+        answer = await resp.json()
+    [(_, to_prefill)] = prefill.requests
+    [(_, to_decode)] = decode.requests
+    assert to_prefill["return_token_ids"] is True
+    assert to_decode == {
+        **PROMPT,
+        "temperature": 0,
+        "prompt": PROMPT_IDS + [FIRST_ID],  # the prompt and the prefill's token
+        "max_tokens": PROMPT["max_tokens"] - 1,
+        "request_id": "p",  # the decode's answer and events carry the prefill's id
+        "kv_transfer_params": prefill.params[0],
+    }
+    assert answer["choices"][0]["text"] == "x" + "decode says hi"
+    # The decode counted the first token as prompt; the client counts it as answer.
+    assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+async def test_a_stream_starts_with_the_prefills_token_once_the_decode_took_the_request(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.token_ids = True
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        received = await resp.read()
+    events = [json.loads(e[6:]) for e in received.split(b"\n\n") if e.startswith(b"data: {")]
+    first = events[0]
+    assert first["id"] == "cmpl-p" and first["usage"] is None
+    assert first["choices"][0]["text"] == "x" and first["choices"][0]["finish_reason"] is None
+    assert received.endswith(b"".join(CHUNKS))  # then the decode's events as they came
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("how", ["a stop", "max_tokens 1"])
+async def test_an_answer_ending_at_the_prefills_token_needs_no_decode(
+    prefill: Prefill, decode: Decode, side: SideChannel, stream: bool, how: str
+) -> None:
+    prefill.token_ids = True
+    body = {**PROMPT, "stream": stream, "stream_options": {"include_usage": True}}
+    if how == "a stop":
+        prefill.finish_reason = "stop"
+    else:
+        body["max_tokens"] = 1
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        raw = await resp.read()
+    assert decode.requests == []
+    assert await side.wait_released("pf-1") == ["pf-1"]  # its staging is not needed
+    if not stream:
+        answer = json.loads(raw)
+        assert answer["choices"][0]["text"] == "x" and "kv_transfer_params" not in answer
+        return
+    events = [json.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert [c["text"] for e in events for c in e["choices"]] == ["x"]
+    assert events[-1]["usage"]["completion_tokens"] == 1 and raw.endswith(b"data: [DONE]\n\n")
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/chat/completions", {}),
+        ("/v1/completions", {"stop": ["\n"]}),
+        ("/v1/completions", {"logprobs": 2}),
+        ("/v1/completions", {"presence_penalty": 0.5}),
+        ("/v1/completions", {"prompt": ["a", "b"]}),
+    ],
+    ids=["chat", "stop", "logprobs", "penalty", "two prompts"],
+)
+async def test_options_spanning_the_first_token_keep_the_decodes_own(
+    prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]
+) -> None:
+    prefill.token_ids = True
+    body = {**PROMPT, **extra}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post(path, json=body)
+        assert await resp.json() == decode.answer_for(body)
+    assert "return_token_ids" not in prefill.requests[0][1]
+    assert decode.requests[0][1] == {**body, "kv_transfer_params": prefill.params[0]}
+
+
+@pytest.mark.parametrize("why", ["--first-token decode", "staged one short"])
+async def test_the_decodes_own_first_token_otherwise(
+    prefill: Prefill, decode: Decode, why: str
+) -> None:
+    prefill.token_ids = True
+    if why == "staged one short":
+        prefill.staged_tokens = len(PROMPT_IDS) - 1
+    first_from_prefill = why != "--first-token decode"
+    async with proxy(
+        [prefill.url], [decode.url], first_token_from_prefill=first_from_prefill
+    ) as client:
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert await resp.json() == decode.answer_for(PROMPT)
+    assert decode.requests[0][1] == {**PROMPT, "kv_transfer_params": prefill.params[0]}
+
+
+def test_usage_in_the_decodes_stream_counts_the_first_token_as_answer() -> None:
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    line = f"data: {json.dumps({'choices': [], 'usage': usage})}\n".encode()
+    fixed = json.loads(first_token.fix_event(line)[6:])
+    assert fixed["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    for untouched in (CHUNKS[0].split(b"\n")[0] + b"\n", b"data: [DONE]\n", b"\n"):
+        assert first_token.fix_event(untouched) == untouched
+
+
+# --- the proxy needs neither torch nor vLLM ----------------------------------------------------
+
+BLOCKED = ("torch", "vllm", "numpy")
+NO_HEAVY_IMPORTS = (
+    "import runpy, sys\n"
+    f"for name in {BLOCKED!r}: sys.modules[name] = None  # an import of it fails\n"
+    "runpy.run_module('vllm_qaic_connector.proxy', run_name='__main__')\n"
+)
+
+
+async def test_the_proxy_runs_with_torch_vllm_and_numpy_absent(
+    prefill: Prefill, decode: Decode, side: SideChannel
+) -> None:
+    """As an operator runs it on a router host: its own process, none of those installed.
+    Every path that reads a ticket (the first token, an early release) runs."""
+    prefill.token_ids = True
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", NO_HEAVY_IMPORTS, "--port", str(port),
+        "--prefill", prefill.url, "--decode", decode.url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with client.get("/health") as resp:
+                        if resp.status == 200:
+                            break
+                await asyncio.sleep(0.1)
+            resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+            answer = await resp.json()
+            assert answer["choices"][0]["text"] == "x" + "decode says hi", answer
+            assert decode.requests[0][1]["prompt"] == PROMPT_IDS + [FIRST_ID]  # first token
+            decode.answer = "text"  # a failed decode leg: the staging is released early
+            resp = await client.post("/v1/completions", json={**PROMPT, "temperature": 0})
+            assert resp.status == 502
+            assert "pf-2" in await side.wait_released("pf-2")
+    finally:
+        proc.terminate()
+        out, _ = await proc.communicate()
+    assert b"Error" not in out, out.decode()[-2000:]
