@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint unit clean
+.PHONY: setup demo test lint unit integration live clean
 
 setup:
 	@bash scripts/setup_env.sh
@@ -11,13 +11,20 @@ demo: setup
 	bash scripts/run_accuracy_test.sh
 
 lint: setup
-	$(PY) -m ruff check vllm_qaic_connector emulator tests scripts benchmarks
+	$(PY) -m ruff check vllm_qaic_connector emulator testbed tests scripts benchmarks
 	$(PY) -m mypy
 	.venv/bin/lint-imports
 	$(PY) scripts/check_docs.py
 
+# Tests by kind (tests/unit, tests/integration, tests/live); `make test` runs them all once.
 unit: setup
-	$(PY) -m pytest -q tests --ignore=tests/test_accuracy_harness.py
+	$(PY) -m pytest -q tests/unit
+
+integration: setup
+	$(PY) -m pytest -q tests/integration
+
+live: setup
+	$(PY) -m pytest -v -rA --durations=15 tests/live
 
 test: setup lint
 	$(PY) -m pytest -v -rA --durations=15 tests

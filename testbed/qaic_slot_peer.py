@@ -34,6 +34,7 @@ from eval_tiny_model import greedy_answer  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
 
 from emulator.qaic_emulator import build_manifest  # noqa: E402
+from testbed.model import MODEL_DIR, TINY  # noqa: E402
 from testbed.nixl_peer import decode as decode_endpoint  # noqa: E402
 from testbed.nixl_peer import encode as encode_endpoint  # noqa: E402
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, copy_tokens  # noqa: E402
@@ -49,8 +50,8 @@ from vllm_qaic_connector.tickets import (  # noqa: E402
 from vllm_qaic_connector.transports import staging_name  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
 
-MODEL = str(ROOT / "models" / "tiny-copy")
-L, H, D, EOS = 2, 2, 32, 2  # the tiny model's layers, KV heads, head size, eos id
+MODEL = str(MODEL_DIR)
+L, H, D, EOS = TINY.layers, TINY.kv_heads, TINY.head_size, TINY.eos
 CTX = 512  # tokens per slot; held-out prompts are 100-400 tokens
 STRIDE = 1 << 20  # staging bytes per prompt (64 + 2 * L * H * CTX * D * 4 = 512 KiB + 64)
 SLOTS = 6  # one per prompt, one for the stale pull, the rest never touched

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from testbed.model import TINY
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
@@ -42,7 +43,7 @@ from vllm_qaic_connector.worker import request_saves, worker_side
 from vllm_qaic_connector.worker.this_rank import RankIdentity
 from vllm_qaic_connector.worker.worker_side import WorkerSide
 
-HEAD, LAYERS, NUM_BLOCKS = 32, 2, 24
+HEAD, LAYERS, NUM_BLOCKS = TINY.head_size, TINY.layers, 24
 
 
 def plain(kv_per_layer: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[Any, Any]]:

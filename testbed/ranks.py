@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from testbed.model import TINY
 from vllm_qaic_connector.protocol.wire import RankMetadata, TransportEndpoint, compat_hash
 from vllm_qaic_connector.transports import staging_name
 
@@ -18,11 +19,11 @@ def rank_meta(**over: Any) -> RankMetadata:
         layout_kind="vllm_cpu",
         block_size=16,
         num_blocks=64,
-        num_kv_heads=2,
-        head_size=32,
-        dtype="float32",
-        num_layers=2,
-        model="tiny-copy",
+        num_kv_heads=TINY.kv_heads,
+        head_size=TINY.head_size,
+        dtype=TINY.dtype,
+        num_layers=TINY.layers,
+        model=TINY.name,
         incarnation="feedfacefeedface",
     )
     fields.update(over)

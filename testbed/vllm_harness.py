@@ -78,7 +78,10 @@ def make_kv_cache_config(
     ``mamba``, layers 0 and 2 are Mamba2 layers instead (state shapes, and one state block
     per request, as vLLM gives the random GraniteMoeHybrid of scripts/make_random_model.py)."""
     geo: dict[str, Any] = dict(
-        block_size=block_size, num_kv_heads=2, head_size=32, dtype=torch.float32
+        block_size=block_size,
+        num_kv_heads=TINY.kv_heads,
+        head_size=TINY.head_size,
+        dtype=getattr(torch, TINY.dtype),
     )
     layer = "model.layers.{}.self_attn.attn".format
     groups = [KVCacheGroupSpec([layer(0), layer(1)], FullAttentionSpec(**geo))]

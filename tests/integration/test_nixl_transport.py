@@ -24,6 +24,7 @@ from testbed.rank_worker import make_worker  # noqa: E402
 from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
 
+pytestmark = pytest.mark.nixl
 PID = os.getpid()
 
 
@@ -144,6 +145,7 @@ def test_a_stalled_peer_times_out_instead_of_hanging(owner_factory):
         reader.close()
 
 
+@pytest.mark.netns
 def test_across_network_namespaces_over_a_veth_link():
     """Owner and reader in two network namespaces joined by a veth pair, UCX over TCP only:
     the bytes cross a network link, not shared memory or loopback."""

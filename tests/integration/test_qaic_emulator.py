@@ -17,7 +17,7 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
-from testbed.model import MODEL_DIR, ROOT
+from testbed.model import MODEL_DIR, ROOT, TINY
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import copy_task  # noqa: E402
 from eval_tiny_model import greedy_answer  # noqa: E402
 
-L, H, D, EOS = 2, 2, 32, 2  # the tiny model's layers, KV heads, head size, eos id
+L, H, D, EOS = TINY.layers, TINY.kv_heads, TINY.head_size, TINY.eos
 CTX = 512
 
 
@@ -68,8 +68,8 @@ class FakePrefill:
             return Ok()
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
-            self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, "float32", L, "tiny-copy",
-            compat_hash("tiny-copy", "float32", L, H, D), self.transport.endpoint(),
+            self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, TINY.dtype, L, TINY.name,
+            compat_hash(TINY.name, TINY.dtype, L, H, D), self.transport.endpoint(),
             self.incarnation,
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])

@@ -11,15 +11,16 @@ import pytest
 
 pytest.importorskip("nixl")
 
-from testbed.model import ROOT  # noqa: E402
+from testbed.model import ROOT, TINY  # noqa: E402
 from testbed.netns import rx_bytes, veth_link  # noqa: E402
 from testbed.nixl_peer import Peer  # noqa: E402
 from vllm_qaic_connector.transports.shm import SHM_DIR  # noqa: E402
 
 PEER = ROOT / "testbed" / "qaic_slot_peer.py"
 PID = os.getpid()
+pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 PROMPTS = 3
-L, H, D = 2, 2, 32  # the tiny model's layers, KV heads, head size (float32)
+L, H, D = TINY.layers, TINY.kv_heads, TINY.head_size
 
 
 def _shm_objects(tag: str) -> list[str]:
