@@ -17,11 +17,11 @@ LIVE = Path(__file__).resolve().parent / "live"
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by what a test needs (registered in pyproject.toml): every test under
-    tests/live/ starts `vllm serve` (``live``); a test whose name or parameters say
-    "nixl" runs NIXL (``nixl``), as do the files that mark themselves whole. ``netns`` and
-    ``cuda`` are set by the tests themselves."""
+    tests/live/ starts `vllm serve` (``live``); a test whose id (file, class, name or
+    parameters) says "nixl" runs NIXL (``nixl``). ``netns`` and ``cuda`` are set by the
+    tests themselves."""
     for item in items:
         if LIVE in item.path.parents:
             item.add_marker(pytest.mark.live)
-        if "nixl" in item.name.lower():
+        if "nixl" in item.nodeid.lower():
             item.add_marker(pytest.mark.nixl)
