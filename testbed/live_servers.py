@@ -43,7 +43,6 @@ from testbed.ports import free_port
 from testbed.shm import (
     LEAKABLE,
     QAIC_PREFIX,
-    SHM_DIR,
     VLLM_LEFTOVERS,
     in_use,
     remove_vllm_leftovers,
@@ -600,7 +599,7 @@ class LiveRun:
         self.dir = Path(tempfile.mkdtemp(prefix=f"qaic-{label}-"))
         self.keep = keep
         self.servers: list[Server] = []
-        self._all_shm_before = set(os.listdir(SHM_DIR))
+        self._all_shm_before = segments("")
         self.shm_before = segments()
         self.report: CleanupReport | None = None
 
@@ -670,7 +669,7 @@ class LiveRun:
         report.leaked_qaic = sorted(self.our_qaic_objects())
         new_other = {
             n
-            for n in set(os.listdir(SHM_DIR)) - self._all_shm_before
+            for n in segments("") - self._all_shm_before
             if not n.startswith(QAIC_PREFIX) and not n.startswith(VLLM_LEFTOVERS)
         }
         if new_other:

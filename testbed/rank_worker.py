@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from testbed.model import TINY
+from testbed.shm import segments
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
@@ -331,12 +332,8 @@ def run_handoff(
         p.join(60)
     server.close()
     assert all(p.exitcode == 0 for p in procs + dprocs)
-    leftovers = [
-        n
-        for n in os.listdir("/dev/shm")
-        if n.startswith((f"qaic_kv_{engine}_", f"qaic_kv_d{os.getpid()}_"))
-    ]
-    assert leftovers == [], "shared-memory segments leaked"
+    leftovers = segments((f"qaic_kv_{engine}_", f"qaic_kv_d{os.getpid()}_"))
+    assert leftovers == set(), "shared-memory segments leaked"
     return results, outs, released + [f"{r}@{rank}/{tp}" for r, rank, tp in acks]
 
 

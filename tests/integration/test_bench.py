@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from testbed.model import ROOT
+from testbed.shm import segments
 from vllm_qaic_connector import bench
 from vllm_qaic_connector.kv import copy_pool
 from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, get_layout
-from vllm_qaic_connector.transports.shm import SHM_DIR
 from vllm_qaic_connector.worker import direct_reads
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16
@@ -37,7 +37,7 @@ def start(*args: str) -> subprocess.Popen[str]:
 
 
 def leftovers(pid: int) -> list[str]:
-    return [name for name in os.listdir(SHM_DIR) if name.startswith(f"qaic_kv_bench{pid}")]
+    return sorted(segments(f"qaic_kv_bench{pid}"))
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str, str]:

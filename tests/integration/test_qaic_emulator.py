@@ -18,6 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
 from testbed.model import MODEL_DIR, ROOT, TINY
+from testbed.shm import segments
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
@@ -35,7 +36,6 @@ from vllm_qaic_connector.protocol.wire import (
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
-from vllm_qaic_connector.transports.shm import SHM_DIR
 
 MODEL = str(MODEL_DIR)
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -47,7 +47,7 @@ CTX = 512
 
 
 def _leftovers(tag: str) -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"qaic_kv_{tag}")]
+    return sorted(segments(f"qaic_kv_{tag}"))
 
 
 class FakePrefill:

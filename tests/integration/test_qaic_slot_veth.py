@@ -14,6 +14,7 @@ pytest.importorskip("nixl")
 from testbed.model import ROOT, TINY  # noqa: E402
 from testbed.netns import rx_bytes, veth_link  # noqa: E402
 from testbed.nixl_peer import Peer  # noqa: E402
+from testbed.shm import segments  # noqa: E402
 from vllm_qaic_connector.transports.shm import SHM_DIR  # noqa: E402
 
 PEER = ROOT / "testbed" / "qaic_slot_peer.py"
@@ -24,7 +25,7 @@ L, H, D = TINY.layers, TINY.kv_heads, TINY.head_size
 
 
 def _shm_objects(tag: str) -> list[str]:
-    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"qaic_kv_{tag}")]
+    return sorted(segments(f"qaic_kv_{tag}"))
 
 
 def test_nixl_pull_into_qaic_slots_across_a_veth_link():

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 import torch
 
+from testbed.shm import segments
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.transports.shm import SHM_DIR
@@ -44,7 +45,7 @@ def shm_prefix() -> Iterator[str]:
 
 
 def _segments(prefix: str) -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    return sorted(segments(prefix))
 
 
 def _randomize(target: SlotTarget, manifest: Manifest) -> None:
