@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,pcie.link.gen.current,pcie.link.width.current,driver
 if [ "$(df --output=size -k /dev/shm | tail -1)" -lt $((16 << 20)) ]; then
   mount -o remount,size=32G /dev/shm || echo "cannot grow /dev/shm" >&2
 fi
-python3 -m pytest -m cuda -q -p no:cacheprovider -n "${JOBS:-8}" tests/test_cuda.py 2>&1 |
+python3 -m pytest -m cuda -q -p no:cacheprovider -n "${JOBS:-8}" tests/integration/test_cuda.py 2>&1 |
   tee "$out/pytest-cuda.log"
 status=${PIPESTATUS[0]}
 python3 -m vllm_qaic_connector.bench --device cuda --dtype bfloat16 --paths shm-staged \
