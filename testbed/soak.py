@@ -3,7 +3,7 @@
     .venv/bin/python -m testbed.soak --requests 500 --concurrency 16 --transport shm|nixl
 
 Starts a prefill (core 0), a decode (core 1, kv_load_failure_policy=recompute) and the proxy
-(tests/live_servers.py), then sends copy-task prompts with known answers at the given
+(testbed/live_servers.py), then sends copy-task prompts with known answers at the given
 concurrency: most through the proxy; ~2% hostile (staged on the prefill, then sent straight
 to the decode with broken params, see ``hostile_variants``: they must still answer right,
 by recompute); ~2% aborted by the client ~50 ms after sending. Progress every ~50 requests,

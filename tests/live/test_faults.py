@@ -1,5 +1,5 @@
 """Issue #9, live: no wrong tokens, no stalls and no leaks under expiry, faults, restarts
-and hostile input, with real `vllm serve` processes (tests/live_servers.py).
+and hostile input, with real `vllm serve` processes (testbed/live_servers.py).
 
 Two server sets, one per transport, each shared by its class's cases (start-ups cost ~35 s
 each on 2 cores): a prefill (core 0, short lease), a decode with ``kv_load_failure_policy``
