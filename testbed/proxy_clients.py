@@ -63,7 +63,8 @@ def check_openai_clients(
             model="model", prompt=prompt, max_tokens=ANSWER_TOKENS, temperature=0.0,
             stream=True, stream_options={"include_usage": True},
         )  # fmt: skip
-        parts, usage = [], None
+        parts: list[str] = []
+        usage = None
         for chunk in stream:
             parts.extend(c.text for c in chunk.choices)
             usage = chunk.usage or usage
@@ -84,7 +85,8 @@ def check_openai_clients(
             model="model", messages=messages, max_completion_tokens=ANSWER_TOKENS,  # type: ignore[arg-type]
             temperature=0.0, stream=True,
         )  # fmt: skip
-        streamed_chat = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+        chunks: Any = chat_stream  # the stream=True overload, which mypy cannot pick here
+        streamed_chat = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed_chat == chat_text, f"chat streamed {streamed_chat!r} != {chat_text!r}"
         requests_sent += 4
     assert min(chunks_seen) > 1, "the answers came in one chunk: nothing was streamed"
@@ -126,7 +128,7 @@ def check_client_abort(
     aborts the request (it never finishes it, nor generates most of its tokens) and the
     prefill's staging is free again."""
     max_tokens = 700
-    body = {
+    body: dict[str, Any] = {
         "model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True,
     }  # fmt: skip

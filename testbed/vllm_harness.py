@@ -4,7 +4,7 @@ with ModelRunnerOutputs in place of a model (the scheduler never looks at tensor
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from vllm import SamplingParams
@@ -42,9 +42,11 @@ MAMBA_SHAPES = ((3, 640), (8, 64, 64))  # conv state, SSM state of one Mamba2 la
 
 BS = 16  # the tests' block size
 
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
 
 def make_vllm_config(
-    role: str,
+    role: KVRole,
     block_size: int = 16,
     extra: dict[str, Any] | None = None,
     engine_id: str = "eng",
@@ -107,7 +109,7 @@ def make_kv_cache_config(
 
 
 def make_scheduler(
-    role: str,
+    role: KVRole,
     block_size: int = 16,
     extra: dict[str, Any] | None = None,
     num_blocks: int = 64,
@@ -197,7 +199,7 @@ def remote_params(n: int, first: int = 5, port: int = 1, lease_s: float = 120.0)
         "staged_block_size": 128,
         "incarnation": "feedfacefeedface",
         "generation": 1 << 32,
-        "prompt_hash": prompt_hash(make_request("x", n, first=first).prompt_token_ids),
+        "prompt_hash": prompt_hash(make_request("x", n, first=first).prompt_token_ids or []),
         "lease_s": lease_s,
         "expires_at": time.time() + lease_s,
     }
