@@ -330,7 +330,7 @@ def usage_asked(body: dict[str, Any]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser("vllm-qaic-proxy", description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--prefill", nargs="+", required=True, help="prefill base URLs")
     add("--decode", nargs="+", required=True, help="decode base URLs")
