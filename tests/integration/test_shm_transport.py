@@ -223,3 +223,23 @@ def test_staging_larger_than_dev_shm_is_a_clear_error_at_creation(unregistered):
     assert name in str(err.value)
     assert not os.path.exists(os.path.join(SHM_DIR, name))
     assert unregistered == ["/" + name]
+
+
+def test_transports_are_found_by_kind_and_a_subclass_without_one_replaces_none():
+    """create_transport finds a transport by its module and kind alone; an unknown kind is
+    named; a subclass that names no kind (a wrapper) does not displace the transport."""
+    from vllm_qaic_connector.transports.shm import ShmTransport
+
+    class Wrapped(ShmTransport):
+        pass
+
+    name = f"qaic_kv_kinds{os.getpid()}_r0_{'ab' * 8}"
+    transport = create_transport("shm", name, 4096, 1.0)
+    try:
+        assert type(transport) is ShmTransport and transport.endpoint().address == name
+    finally:
+        transport.close()
+    for unknown in ("rdma", "base", "shared_cache"):
+        with pytest.raises(ValueError, match=f"unknown transport {unknown!r}"):
+            create_transport(unknown, name, 4096, 1.0)
+    assert not os.path.exists(os.path.join(SHM_DIR, name))

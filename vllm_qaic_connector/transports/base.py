@@ -35,7 +35,8 @@ class KVTransport(ABC):
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
-        KVTransport.kinds[cls.kind] = cls
+        if "kind" in vars(cls):  # a subclass that names no kind of its own replaces nothing
+            KVTransport.kinds[cls.kind] = cls
 
     @abstractmethod
     def __init__(
