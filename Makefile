@@ -11,7 +11,7 @@ demo: setup
 	bash scripts/run_accuracy_test.sh
 
 lint: setup
-	$(PY) -m ruff check vllm_qaic_connector emulator testbed tests scripts benchmarks
+	$(PY) -m ruff check vllm_qaic_connector vllm_qaic_proxy emulator testbed tests scripts benchmarks
 	$(PY) -m mypy
 	.venv/bin/lint-imports
 	$(PY) scripts/check_docs.py

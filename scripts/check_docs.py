@@ -6,8 +6,9 @@
 - the module map of docs/architecture.md (its "## Module map" section) misses a module of
   the package or names one that does not exist. A module is named as the first cell of a
   table row, in backticks, by its dotted path relative to the package:
-  `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py. Every
-  vllm_qaic_connector/**/*.py counts except __init__.py and __main__.py.
+  `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py; the proxy's
+  modules go by their full name (`vllm_qaic_proxy.server`). Every *.py of both packages
+  counts except __init__.py and __main__.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_qaic_connector"
+PROXY = ROOT / "vllm_qaic_proxy"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 MAX_README_LINES = 200
 LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
@@ -47,8 +49,9 @@ def broken_links() -> list[str]:
 
 def module_map() -> list[str]:
     modules = {
-        ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
-        for p in PACKAGE.rglob("*.py")
+        ".".join(p.relative_to(root).with_suffix("").parts)
+        for root in (PACKAGE, ROOT)
+        for p in (PACKAGE if root is PACKAGE else PROXY).rglob("*.py")
         if p.name not in ("__init__.py", "__main__.py")
     }
     where = ARCHITECTURE.relative_to(ROOT)
@@ -57,7 +60,7 @@ def module_map() -> list[str]:
     section = ARCHITECTURE.read_text().split("\n## Module map", 1)[1].split("\n## ", 1)[0]
     named = {m.group(1) for line in section.splitlines() if (m := MAP_ROW.match(line))}
     return [f"{where}: the module map lacks {m}" for m in sorted(modules - named)] + [
-        f"{where}: the module map names {m}, which is not a module of the package"
+        f"{where}: the module map names {m}, which is not a module of either package"
         for m in sorted(named - modules)
     ]
 

@@ -195,7 +195,7 @@ if [ "$ROUTER" = vllm-router ]; then
   for url in "${DECODE_URLS[@]}"; do ROUTER_ARGS+=(--decode "$url"); done
   "${OWN_GROUP[@]}" "$ROUTER_BIN" "${ROUTER_ARGS[@]}" >"$RUN_DIR/router.log" 2>&1 &
 else
-  "${OWN_GROUP[@]}" "$PY" -m vllm_qaic_connector.proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+  "${OWN_GROUP[@]}" "$PY" -m vllm_qaic_proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
 fi
 PIDS+=($!)
 

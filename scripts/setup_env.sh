@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.qaic-setup-v4"  # v4: import-linter and vllm-router in the test extras
+STAMP="$VENV/.qaic-setup-v5"  # v5: the proxy is a package of its own (vllm_qaic_proxy)
 # The cross-host NIXL test builds network namespaces with iproute2's `ip`.
 if ! command -v ip >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo -n"

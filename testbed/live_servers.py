@@ -626,7 +626,7 @@ class LiveRun:
         self, prefills: list[str], decodes: list[str], decode_kvs: list[str] | None = None
     ) -> Server:
         port = free_port()
-        argv = [str(PY), "-m", "vllm_qaic_connector.proxy", "--port", str(port)]
+        argv = [str(PY), "-m", "vllm_qaic_proxy", "--port", str(port)]
         argv += ["--prefill", *prefills, "--decode", *decodes]
         if decode_kvs:
             argv += ["--decode-kv", *decode_kvs]

@@ -22,9 +22,9 @@ from aiohttp import web
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
-from vllm_qaic_connector.proxy import first_token
-from vllm_qaic_connector.proxy.routing import LeastOutstanding, Router
-from vllm_qaic_connector.proxy.server import Proxy, prefill_body, unsupported
+from vllm_qaic_proxy import first_token
+from vllm_qaic_proxy.routing import LeastOutstanding, Router
+from vllm_qaic_proxy.server import Proxy, prefill_body, unsupported
 
 PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [
@@ -653,7 +653,7 @@ BLOCKED = ("torch", "vllm", "numpy")
 NO_HEAVY_IMPORTS = (
     "import runpy, sys\n"
     f"for name in {BLOCKED!r}: sys.modules[name] = None  # an import of it fails\n"
-    "runpy.run_module('vllm_qaic_connector.proxy', run_name='__main__')\n"
+    "runpy.run_module('vllm_qaic_proxy', run_name='__main__')\n"
 )
 
 

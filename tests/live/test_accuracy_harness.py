@@ -67,7 +67,7 @@ def test_negative_control_fails_loudly():
 
 def run_servers() -> set[str]:
     """Pids of the processes a harness run starts: vLLM servers, proxy, QAIC emulator."""
-    pattern = "vllm.entrypoints.openai.api_server|vllm_qaic_connector.proxy|emulator.qaic_emulator"
+    pattern = "vllm.entrypoints.openai.api_server|vllm_qaic_proxy|emulator.qaic_emulator"
     ps = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return set(ps.stdout.split())
 

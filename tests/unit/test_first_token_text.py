@@ -24,8 +24,8 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from testbed.model import ROOT
-from vllm_qaic_connector.proxy.first_token import FirstToken
 from vllm_qaic_connector.tickets import prompt_hash
+from vllm_qaic_proxy.first_token import FirstToken
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from make_random_model import SPECIAL, train_tokenizer  # noqa: E402
@@ -116,7 +116,7 @@ def test_the_joined_text_is_the_aggregated_text_or_the_decode_answers_alone(toke
     ids=["seeded sampler", "no spaces between special tokens", "token ids streamed"],
 )  # fmt: skip
 def test_state_carried_across_the_first_token_keeps_the_decodes_own(extra):
-    from vllm_qaic_connector.proxy.first_token import eligible
+    from vllm_qaic_proxy.first_token import eligible
 
     assert eligible({"prompt": "a b c"}, chat=False)
     assert not eligible({"prompt": "a b c", **extra}, chat=False)

@@ -16,6 +16,14 @@ def test_entry_point_is_declared():
     assert eps.get("qaic_connector") == "vllm_qaic_connector:register"
 
 
+def test_the_proxy_console_script_runs_the_proxy_package():
+    """`vllm-qaic-proxy` is the proxy's own top-level package, not a module of the connector."""
+    from vllm_qaic_proxy.server import main
+
+    [script] = [ep for ep in entry_points(group="console_scripts") if ep.name == "vllm-qaic-proxy"]
+    assert script.load() is main
+
+
 def test_vllm_plugin_loader_registers_connector_by_name():
     from vllm.plugins import load_general_plugins
 

@@ -27,9 +27,9 @@ from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
-from vllm_qaic_connector.proxy import first_token
-from vllm_qaic_connector.proxy.first_token import FirstToken
-from vllm_qaic_connector.proxy.routing import Router
+from vllm_qaic_proxy import first_token
+from vllm_qaic_proxy.first_token import FirstToken
+from vllm_qaic_proxy.routing import Router
 
 logger = get_logger(__name__)
 

@@ -1,0 +1,5 @@
+"""``python -m vllm_qaic_proxy``."""
+
+from vllm_qaic_proxy.server import main
+
+main()
