@@ -23,7 +23,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
@@ -31,7 +30,7 @@ from vllm_qaic_proxy import first_token
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import Router
 
-logger = get_logger(__name__)
+logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
 
 # The prefill computes the prompt's KV and one token (the client's first, where it can be).
 PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
