@@ -70,6 +70,7 @@ Fmt = tuple[str, int]  # layout kind, block size (0: all the tokens in one block
 HND16, NHD64, CPU128, SLOT = ("LBHNC", 16), ("LBNHC", 64), ("vllm_cpu", 128), ("qaic_slot", 0)
 GENERATION = 0x5EED_0001  # the staged request's ticket
 QUICK_TOKENS, DEFAULT_TOKENS = [512, 1024, 2048], [1024, 2048, 4096, 8192, 16384, 32768]
+CUDA_DIRECT = ("nixl",)  # READs from one registered GPU cache into another
 
 
 class Path(NamedTuple):
@@ -389,7 +390,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for flag, default in (("--layers", 32), ("--kv-heads", 8), ("--head-dim", 128)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
-    help = "where the caches live; cuda: staged paths, against a pinned copy_"
+    help = "where the caches live; cuda: staged paths and nixl's direct one, against a pinned copy_"
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help=help)
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="write the rows to this file")
@@ -398,8 +399,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.tokens = args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
     args.repeats = args.repeats or (2 if args.quick else 5)
-    if args.device == "cuda":  # a GPU's cache is not shared directly: staged paths only
-        args.paths = [k for k in args.paths if not PATHS[k].direct and PATHS[k].transport == "shm"]
+    if args.device == "cuda":  # a GPU's cache is shared directly over NIXL only (as VRAM)
+        args.paths = [k for k in args.paths if not PATHS[k].direct or k in CUDA_DIRECT]
     if min(args.tokens + [args.repeats, args.layers, args.kv_heads, args.head_dim]) < 1:
         p.error("tokens, repeats, layers, kv-heads and head-dim must be >= 1")
     if args.plot and importlib.util.find_spec("matplotlib") is None:

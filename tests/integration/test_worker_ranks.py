@@ -243,6 +243,8 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_
         expected = [(staging.data_ptr(), staging.numel())] + [cache] * nixl_direct_reads
         assert registered == expected, registered
         assert (w.rank_meta.cache is not None) == nixl_direct_reads
+        if w.rank_meta.cache is not None:  # host memory: its READs are DRAM descriptors
+            assert w.rank_meta.cache.device == -1
         if not nixl_direct_reads:
             for t in (t for kv in w.layers for t in kv):
                 lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()

@@ -53,6 +53,7 @@ class TransportEndpoint(msgspec.Struct, frozen=True):
     address: str
     size: int
     agent_metadata: bytes = b""
+    device: int = -1  # where the region lies: -1 host memory, else a CUDA device's index
 
     @property
     def owner(self) -> str | None:
@@ -74,6 +75,7 @@ class SharedCache(msgspec.Struct, frozen=True, kw_only=True):
     inode: int = 0  # shm: tells that object from whatever a reused pid or fd may show later
     host: str = ""  # shm: boot id, PID namespace and uid: who can open ``path``
     address: int = 0  # nixl: the cache's base address in the prefill, registered
+    device: int = -1  # nixl: the CUDA device holding it (-1: host memory)
 
     @property
     def mapped(self) -> bool:

@@ -35,6 +35,7 @@ from vllm_qaic_connector.kv.byte_runs import ByteRun
 from vllm_qaic_connector.kv.stream_copy import copy_threads
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import SharedCache, TransportEndpoint
+from vllm_qaic_connector.transports import host_pinning
 from vllm_qaic_connector.transports.base import KVTransport, populate
 from vllm_qaic_connector.transports.shared_cache import backing, described
 
@@ -84,6 +85,11 @@ def _zeroed(nbytes: int, faulted: bool = False) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
+def _memory(device: int) -> tuple[str, int]:
+    """NIXL's memory type and device id for memory on CUDA ``device`` (-1: host)."""
+    return ("DRAM", 0) if device < 0 else ("VRAM", device)
+
+
 class _Held(NamedTuple):
     tensor: torch.Tensor
     start: int  # offset in the receive arena, or -1 for a one-off buffer
@@ -94,6 +100,7 @@ class NixlTransport(KVTransport):
     kind = "nixl"
     delivers_notifications = True
     direct_reads_key = "nixl_direct_reads"
+    shares_device_memory = True  # UCX moves GPU memory too (cuda_ipc, cuda_copy, GPUDirect)
 
     def __init__(
         self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, stages: bool = True
@@ -117,7 +124,10 @@ class NixlTransport(KVTransport):
         self._used: list[tuple[int, int]] = []  # arena ranges handed out, sorted
         self._held: dict[tuple[str, int], list[_Held]] = {}
         self._peers: dict[str, bytes] = {}  # remote agents loaded, with their metadata
-        self._destinations: dict[int, tuple[int, Any]] = {}  # address -> (bytes, registration)
+        # address -> (bytes, registration, CUDA device or -1)
+        self._destinations: dict[int, tuple[int, Any, int]] = {}
+        self._pinned: list[torch.Tensor] = []  # host memory page-locked for a GPU's copies
+        self._pin = False
 
     @property
     def staging(self) -> torch.Tensor:
@@ -166,14 +176,15 @@ class NixlTransport(KVTransport):
         if whole is None:
             return None
         self.register_destination(whole)
-        return described(layers, whole.numel(), address=whole.data_ptr())
+        return described(layers, whole.numel(), address=whole.data_ptr(), device=whole.get_device())
 
     def register_destination(self, tensor: torch.Tensor) -> None:
         """Let ``read_into`` write straight into ``tensor``'s memory (e.g. QAIC KV buffers)."""
         with self._lock:
             self._check_open()
             if tensor.data_ptr() not in self._destinations:
-                self._destinations[tensor.data_ptr()] = (tensor.nbytes, self._register(tensor))
+                reg = self._register(tensor)  # GPU memory registers as VRAM
+                self._destinations[tensor.data_ptr()] = (tensor.nbytes, reg, tensor.get_device())
 
     def deregister_destination(self, tensor: torch.Tensor) -> None:
         with self._lock:
@@ -197,19 +208,36 @@ class NixlTransport(KVTransport):
             return 0  # nixl cannot post a transfer of no descriptors
         with self._lock:
             self._check_open()
-            starts = sorted(self._destinations)
+            starts, devices = sorted(self._destinations), set()
             for r in runs:
                 src = base_offset + r.src
                 if r.nbytes <= 0 or src < 0 or src + r.nbytes > peer.size:
                     raise ValueError(f"read [{src}, {src + r.nbytes}) outside {peer.address}")
                 i = bisect.bisect_right(starts, r.dst) - 1  # the destination it starts in
-                if i < 0 or r.dst + r.nbytes > starts[i] + self._destinations[starts[i]][0]:
+                size, _, device = self._destinations[starts[i]] if i >= 0 else (0, None, -1)
+                if i < 0 or r.dst + r.nbytes > starts[i] + size:
                     raise ValueError(f"destination {r.dst:#x}+{r.nbytes} is not registered")
+                devices.add(device)
+            if len(devices) > 1:  # one transfer's descriptors are of one memory
+                raise ValueError(f"one read into several devices' memory: {sorted(devices)}")
             self._connect(agent, peer.agent_metadata)
             remote = [ByteRun(base + base_offset + r.src, r.dst, r.nbytes) for r in runs]
-            handle, state = self._start(agent, remote, notify)
+            handle, state = self._start(agent, remote, notify, devices=(devices.pop(), peer.device))
         self._wait(agent, handle, state, None)
         return sum(r.nbytes for r in runs)
+
+    def pin_host_memory(self) -> None:
+        """Page-locks the staging and the receive arena (now, or when it is mapped)."""
+        with self._lock:
+            self._pin = True
+            for region in (self._staging, self._recv):
+                self._pin_region(region)
+
+    def _pin_region(self, region: torch.Tensor | None) -> None:
+        if region is None or not self._pin or any(region is t for t in self._pinned):
+            return
+        if host_pinning.pin(region, read_only=False):
+            self._pinned.append(region)
 
     def release_read(self, peer: TransportEndpoint, offset: int) -> None:
         with self._lock:
@@ -249,19 +277,29 @@ class NixlTransport(KVTransport):
                     logger.warning("nixl: deregistration failed: %s", exc)
             self._regs.clear()
             self._agent = None  # unreferenced, the C++ agent stops its progress thread
+            for region in self._pinned:  # before the mappings can go
+                host_pinning.unpin(region)
+            self._pinned.clear()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"nixl transport {self.agent_name} is closed")
 
     def _start(
-        self, agent: str, runs: Sequence[ByteRun], notify: bytes | None, held: _Held | None = None
+        self,
+        agent: str,
+        runs: Sequence[ByteRun],
+        notify: bytes | None,
+        held: _Held | None = None,
+        devices: tuple[int, int] = (-1, -1),
     ) -> tuple[Any, str]:
         """Posts one READ (``run.src``: the peer's address; ``run.dst``: ours) under the lock;
-        on failure gives ``held`` back and drops the peer."""
+        ``devices``: (ours, the peer's), a CUDA device or -1 for host memory. On failure
+        gives ``held`` back and drops the peer."""
+        (dst_mem, dst_dev), (src_mem, src_dev) = (_memory(d) for d in devices)
         try:
-            local = self._agent.get_xfer_descs([(r.dst, r.nbytes, 0) for r in runs], "DRAM")
-            remote = self._agent.get_xfer_descs([(r.src, r.nbytes, 0) for r in runs], "DRAM")
+            local = self._agent.get_xfer_descs([(r.dst, r.nbytes, dst_dev) for r in runs], dst_mem)
+            remote = self._agent.get_xfer_descs([(r.src, r.nbytes, src_dev) for r in runs], src_mem)
             handle = self._agent.initialize_xfer("READ", local, remote, agent, notify or b"")
             return handle, self._agent.transfer(handle)
         except self._errors as exc:
@@ -329,6 +367,7 @@ class NixlTransport(KVTransport):
         if self._recv is None and size <= self._recv_bytes:
             self._recv = _zeroed(self._recv_bytes)
             self._register(self._recv)
+            self._pin_region(self._recv)
         start = 0
         for lo, hi in self._used:  # first fit
             if lo - start >= size:

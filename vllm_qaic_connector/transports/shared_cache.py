@@ -22,17 +22,17 @@ def host_identity() -> str:
 
 
 def backing(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The one CPU allocation behind ``layers``, as flat bytes; None where they do not share
-    one storage with one shape, strides and dtype (vLLM allocates them so)."""
+    """The one allocation behind ``layers`` (host or GPU memory), as flat bytes; None where
+    they do not share one storage with one shape, strides and dtype (vLLM allocates them so)."""
     first = layers[0]
     storage = first.untyped_storage()
-    if first.device.type != "cpu" or any(
+    if any(
         t.untyped_storage().data_ptr() != storage.data_ptr()
         or (t.shape, t.stride(), t.dtype) != (first.shape, first.stride(), first.dtype)
         for t in layers
     ):
         return None
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
 
 
 def described(layers: Sequence[torch.Tensor], size: int, **where: Any) -> SharedCache:

@@ -156,7 +156,7 @@ def move_into_shm(layers: Sequence[torch.Tensor]) -> SharedCache | None:
     """Moves the storage behind ``layers`` into shared memory, in place (see `backing`):
     vLLM's kernels write there from then on, and decodes map it read-only."""
     whole = backing(layers)
-    if whole is None:
+    if whole is None or whole.device.type != "cpu":
         return None
     shm = os.statvfs(SHM_DIR)
     if shm.f_bavail * shm.f_frsize < 2 * whole.numel():  # tmpfs past its size: SIGBUS

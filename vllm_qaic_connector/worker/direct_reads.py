@@ -102,9 +102,8 @@ def plan_cache_reads(
 
 def cache_endpoint(staging: TransportEndpoint, cache: SharedCache) -> TransportEndpoint:
     """A prefill rank's registered KV cache as a region to read, like its ``staging``."""
-    return msgspec.structs.replace(
-        staging, address=f"{staging.owner}@{cache.address:#x}", size=cache.size
-    )
+    address = f"{staging.owner}@{cache.address:#x}"
+    return msgspec.structs.replace(staging, address=address, size=cache.size, device=cache.device)
 
 
 def owner_of(rank: RankMetadata) -> str:

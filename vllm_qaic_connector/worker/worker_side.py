@@ -143,13 +143,12 @@ class WorkerSide:
             stages=self.identity.produces,
         )  # fmt: skip
         # Direct reads move whole blocks: each must be one dense run (not LHBNC's), in
-        # host memory. A GPU copies from and to staging, page-locked.
+        # memory the transport shares. A GPU copies from and to staging, page-locked.
         on_gpu = cache.device.type == "cuda"
         if on_gpu:
             transport.pin_host_memory()
-        one_group = (
-            cache.state is None and len(self.groups) <= 1 and dense_blocks(cache) and not on_gpu
-        )
+        one_group = cache.state is None and len(self.groups) <= 1 and dense_blocks(cache)
+        one_group &= transport.shares_device_memory or not on_gpu
         direct = one_group and getattr(self.cfg, transport.direct_reads_key)
         shared = transport.share_kv_cache(tensors, self.identity.produces) if direct else None
         self.saves = RequestSaves(self.cfg, cache, RegionHeaders(transport.staging), self._copies)
