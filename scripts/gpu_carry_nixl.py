@@ -33,14 +33,7 @@ export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 
 
 def download(spec: str, into: Path) -> Path:
-    args = [
-        "--no-deps",
-        "--only-binary=:all:",
-        "--python-version",
-        "3.12",
-        "--implementation",
-        "cp",
-    ]
+    args = ["--no-deps", "--only-binary=:all:", "--python-version=3.12", "--implementation=cp"]
     args += [f"--platform={p}" for p in PLATFORMS]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", *args, "-d", str(into), spec],
                    check=True)  # fmt: skip
