@@ -140,3 +140,12 @@ def test_ctrl_c_or_sigterm_frees_every_segment(signum: int) -> None:
             proc.kill()
             proc.wait()
     assert rc == 128 + signum and "interrupted" in err
+
+
+def test_on_a_gpu_a_cache_is_read_directly_over_nixl_only() -> None:
+    """With --device cuda every staged path runs, and of the direct ones only NIXL's: a GPU
+    cache is never moved into shm, while NIXL registers it as VRAM."""
+    paths = bench.parse(["--device", "cuda", "--paths", *bench.PATHS]).paths
+    direct = {k for k in paths if bench.PATHS[k].direct}
+    assert direct == {"nixl"}
+    assert set(paths) - direct == {k for k, p in bench.PATHS.items() if not p.direct}
