@@ -16,17 +16,13 @@ from testbed.rank_worker import (
     full_heads,
     make_worker,
     run_handoff,
-    vllm_kv_caches,
 )
 from vllm_qaic_connector import bench
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
-from vllm_qaic_connector.kv.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.kv.layout import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, new_incarnation
-from vllm_qaic_connector.transports import staging_name
-from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.tickets import HEADER_BYTES
 from vllm_qaic_connector.worker import request_saves
-from vllm_qaic_connector.worker.direct_reads import cache_endpoint, plan_cache_reads
 
 pytestmark = [
     pytest.mark.cuda,
@@ -106,44 +102,7 @@ def test_bench_on_the_gpu_moves_bytes_exactly_and_prints_ratios(capsys):
 
 
 # --- NIXL and GPU memory (needs nixl installed beside CUDA: see docs/gpu.md) ----------------
-
-GEO = KVGeometry(num_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16)
-NIXL_BLOCKS, NIXL_TOKENS = 12, 150  # 10 blocks, the last one partly used
-
-
-@pytest.mark.nixl
-@pytest.mark.parametrize("ends", ["cuda-to-cuda", "cuda-to-cpu", "cpu-to-cuda"])
-@pytest.mark.parametrize("kind", ["LBHNC", "BLHNC"])
-def test_nixl_reads_kv_blocks_out_of_and_into_gpu_memory(kind, ends):
-    """vLLM's own views in device memory, registered with NIXL as VRAM: one READ of whole
-    blocks moves them byte for byte, whichever side is on the GPU."""
-    pytest.importorskip("nixl")
-    src_device, dst_device = ends.split("-to-")
-    gen = torch.Generator().manual_seed(5)
-    prefill_layers = vllm_kv_caches(kind, GEO, LAYERS, NIXL_BLOCKS, gen, src_device)
-    decode_layers = vllm_kv_caches(kind, GEO, LAYERS, NIXL_BLOCKS, gen, dst_device)
-    layout = get_layout(kind)
-    src_blocks, dst_blocks = [7, 8, 9, 2, 0, 1, 11, 4, 5, 6], [0, 1, 2, 9, 3, 4, 5, 11, 7, 8]
-
-    def tokens(layers: list[torch.Tensor], blocks: list[int]) -> list[torch.Tensor]:
-        views = (gather_tokens(layout.kv_views(t, GEO), blocks, NIXL_TOKENS) for t in layers)
-        return [x.cpu().view(torch.int16) for kv in views for x in kv]
-
-    want = tokens(prefill_layers, src_blocks)
-    assert not any(map(torch.equal, want, tokens(decode_layers, dst_blocks)))  # random both
-    inc = new_incarnation()
-    prefill = NixlTransport(staging_name("pg", 0, inc), 1 << 16)
-    decode = NixlTransport(staging_name("dg", 0, inc), 1 << 16)
-    try:
-        cache = prefill.share_kv_cache(prefill_layers, True)
-        assert cache is not None and decode.share_kv_cache(decode_layers, False) is not None
-        assert cache.device == (-1 if src_device == "cpu" else torch.cuda.current_device())
-        runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
-        decode.read_into(cache_endpoint(prefill.endpoint(), cache), runs)
-    finally:
-        decode.close()
-        prefill.close()
-    assert all(map(torch.equal, want, tokens(decode_layers, dst_blocks)))
+# (Reads between GPU and host memory: test_direct_reads.py, `-m cuda`.)
 
 
 @pytest.mark.nixl

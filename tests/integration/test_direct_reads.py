@@ -44,12 +44,12 @@ GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
 LAYERS, BLOCKS, TOKENS = 3, 12, 150  # 10 blocks, the last one partly used
 
 
-def vllm_like_cache(kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def vllm_like_cache(kind: str, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One int8 backing allocation viewed as each layer's tensor, as vLLM allocates it."""
     layout = get_layout(kind)
     shape = layout.physical_shape(BLOCKS, GEO)
     per_layer = torch.Size(shape).numel()
-    raw = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8)
+    raw = torch.zeros(LAYERS * per_layer * 2, dtype=torch.int8, device=device)
     flat = raw.view(torch.float16)
     layers = [flat[i * per_layer : (i + 1) * per_layer].view(shape) for i in range(LAYERS)]
     return raw, [layout.layer_view(t) for t in layers]
@@ -239,20 +239,27 @@ def test_direct_reads_need_one_tp_one_host_and_over_nixl_one_format():
     assert "block sizes differ" in str(direct_problem(nixl_prefill, nixl_other, 1))
 
 
+ON_A_GPU = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")]
+ENDS = ["cpu-to-cpu"] + [
+    pytest.param(ends, marks=ON_A_GPU) for ends in ("cuda-to-cuda", "cuda-to-cpu", "cpu-to-cuda")
+]
+
+
+@pytest.mark.parametrize("ends", ENDS)
 @pytest.mark.parametrize("kind", ["vllm_cpu", "LBHNC", "BLHNC"])
-def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
+def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind, ends):
     """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
     transfer of whole blocks (adjacent ones merged) from one into the other over UCX. A
-    cross-layer cache (vLLM's own views) moves a block of every layer as one run."""
+    cross-layer cache (vLLM's own views) moves a block of every layer as one run. A cache
+    in GPU memory (`pytest -m cuda`) is registered as VRAM, on either side."""
     pytest.importorskip("nixl")
-    layout = get_layout(kind)
+    layout, devices = get_layout(kind), ends.split("-to-")
     if kind == "BLHNC":
         gen = torch.Generator()
-        prefill_layers, decode_layers = (vllm_kv_caches(kind, GEO, LAYERS, BLOCKS, gen)
-                                         for _ in range(2))  # fmt: skip
+        prefill_layers, decode_layers = (vllm_kv_caches(kind, GEO, LAYERS, BLOCKS, gen, device)
+                                         for device in devices)  # fmt: skip
     else:
-        _, prefill_layers = vllm_like_cache(kind)
-        _, decode_layers = vllm_like_cache(kind)
+        prefill_layers, decode_layers = (vllm_like_cache(kind, device)[1] for device in devices)
     gen = torch.Generator().manual_seed(3)
     for t in prefill_layers:
         t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
@@ -263,6 +270,7 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     try:
         cache = prefill.share_kv_cache(prefill_layers, True)
         assert cache is not None and decode.share_kv_cache(decode_layers, False) is not None
+        assert cache.device == prefill_layers[0].get_device()  # -1: host memory
         runs = plan_cache_reads(cache, layout, decode_layers, (src_blocks, dst_blocks))
         # 6 runs of blocks adjacent on both sides, per layer (K and V share a block in both);
         # cross-layer, the layers of those blocks are one run too
@@ -274,7 +282,7 @@ def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind):
     for s, d in zip(prefill_layers, decode_layers, strict=True):
         want = gather_tokens(layout.kv_views(s, GEO), src_blocks, TOKENS)
         got = gather_tokens(layout.kv_views(d, GEO), dst_blocks, TOKENS)
-        assert all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+        assert all(torch.equal(w.cpu(), g.cpu()) for w, g in zip(want, got, strict=True))
 
 
 BS = 16
