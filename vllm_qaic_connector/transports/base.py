@@ -60,7 +60,7 @@ class KVTransport(ABC):
     # The config key that lets decodes read a prefill's KV cache directly (`share_kv_cache`).
     direct_reads_key: ClassVar[str]
     # True where `share_kv_cache` and `read_into` take a KV cache in GPU memory too.
-    shares_device_memory: ClassVar[bool] = False
+    shares_device_memory: bool = False
 
     def share_kv_cache(self, layers: Sequence[torch.Tensor], produces: bool) -> SharedCache | None:
         """Make vLLM's KV cache (``layers``) readable by peers, or writable by our reads;

@@ -100,7 +100,6 @@ class NixlTransport(KVTransport):
     kind = "nixl"
     delivers_notifications = True
     direct_reads_key = "nixl_direct_reads"
-    shares_device_memory = True  # UCX moves GPU memory too (cuda_ipc, cuda_copy, GPUDirect)
 
     def __init__(
         self, name: str, staging_bytes: int, *, timeout_s: float = 30.0, stages: bool = True
@@ -115,6 +114,8 @@ class NixlTransport(KVTransport):
         self.agent_name, self.timeout_s = name, timeout_s
         self._lock = threading.RLock()  # the agent is NIXL_THREAD_SYNC_NONE
         self._agent: Any = _new_agent(nixl, name)
+        # Where UCX was built with CUDA (cuda_ipc, cuda_copy, GPUDirect), it moves GPU memory.
+        self.shares_device_memory = "VRAM_SEG" in self._agent.get_backend_mem_types("UCX")
         self._regs: list[Any] = []  # every live registration; close() deregisters them
         self._closed = False
         self._staging = _zeroed(staging_bytes, faulted=stages)
