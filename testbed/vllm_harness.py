@@ -51,9 +51,11 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     engine_id: str = "eng",
     max_batched: int = 1024,
+    dp_index: int = 0,
 ) -> VllmConfig:
+    """``dp_index``: the data-parallel rank this engine is (vLLM sets it per DP engine)."""
     vllm_qaic_connector.register()
-    return VllmConfig(
+    cfg = VllmConfig(
         model_config=ModelConfig(model=MODEL, max_model_len=1024, seed=0, dtype="float32"),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
@@ -70,6 +72,8 @@ def make_vllm_config(
             kv_connector_extra_config=extra or {},
         ),
     )
+    cfg.parallel_config.data_parallel_index = dp_index
+    return cfg
 
 
 def make_kv_cache_config(

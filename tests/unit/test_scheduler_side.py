@@ -9,6 +9,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from testbed.live_servers import ROUTER_PARAMS
+from testbed.ports import free_port
 from testbed.ranks import rank_meta
 from testbed.vllm_harness import (
     BS,
@@ -595,3 +596,21 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
     finally:
         loads.close()
         server.close()
+
+
+def test_each_data_parallel_rank_listens_on_its_own_side_channel_port():
+    """vLLM runs each data-parallel rank as an engine of its own, from one config but its
+    DP index: with a fixed side_channel_port the second one failed to bind and the server
+    never started. Each listens on the port plus its index, as NixlConnector's do."""
+    base = free_port()
+    decodes = [
+        make_scheduler(
+            "kv_consumer", BS, {"side_channel_port": base}, engine_id=f"dp{i}", dp_index=i
+        )
+        for i in (0, 1)
+    ]
+    try:
+        assert [d.connector.scheduler._server.port for d in decodes] == [base, base + 1]
+    finally:
+        for d in decodes:
+            d.connector.shutdown()

@@ -66,9 +66,12 @@ class SchedulerSide:
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).
         self.releases = StagingReleases(self.pool, has_state(self.groups))
-        self._server = SideChannelServer(
-            cfg.side_channel_host, cfg.side_channel_port, self._handle, self._key
+        # Each data-parallel rank is an engine of its own: it listens on the configured port
+        # plus its DP index, as NixlConnector's do (a fixed port would fail the second).
+        port = cfg.side_channel_port and (
+            cfg.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
+        self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, self._key)
         engine = PrefillEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port
         )
