@@ -21,6 +21,8 @@ LONE_GAPS=${LONE_GAPS-0 2 15}
 LONE_FIRST_MAX_S=${LONE_FIRST_MAX_S:-10}
 PREFILLER_TP_SIZE=${PREFILLER_TP_SIZE:-1}
 DECODER_TP_SIZE=${DECODER_TP_SIZE:-1}
+# 2: the decode serves with --data-parallel-size 2 (one engine per core, one side channel each).
+DECODER_DP_SIZE=${DECODER_DP_SIZE:-1}
 # xPyD: the proxy round-robins over every (prefill, decode) pair.
 NUM_PREFILL_INSTANCES=${NUM_PREFILL_INSTANCES:-1}
 NUM_DECODE_INSTANCES=${NUM_DECODE_INSTANCES:-1}
@@ -56,6 +58,9 @@ done
 XPYD=0; [ "$NUM_PREFILL_INSTANCES$NUM_DECODE_INSTANCES" = 11 ] || XPYD=1
 [ "$XPYD" = 0 ] || [ "$PREFILLER_TP_SIZE$DECODER_TP_SIZE$DECODE_TARGET" = 11vllm ] \
   || unsupported "several instances need TP 1 and DECODE_TARGET=vllm (this machine has 2 cores)"
+case "$DECODER_DP_SIZE" in 1) ;; 2) [ "$DECODER_TP_SIZE$DECODE_TARGET$XPYD" = 1vllm0 ] \
+  || unsupported "DECODER_DP_SIZE=2 needs DECODER_TP_SIZE=1, DECODE_TARGET=vllm and one instance each (2 cores)";;
+  *) unsupported "DECODER_DP_SIZE=$DECODER_DP_SIZE (1 or 2)";; esac
 [ -d "$MODEL" ] || { echo "MODEL=$MODEL is not a local model directory" >&2; exit 2; }
 read -r -a P_BLOCKS <<< "$PREFILL_BLOCK_SIZE"; read -r -a D_BLOCKS <<< "$DECODE_BLOCK_SIZE"
 read -r -a GAPS <<< "$LONE_GAPS"
@@ -148,7 +153,7 @@ ktc() {  # role engine_id side_channel_port
 }
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
-     "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+     "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE DP D=$DECODER_DP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
 # Every prefill on core 0, every decode on core 1 (TP 2 ranks use both).
@@ -156,7 +161,8 @@ P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
 # aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
 DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
-D_CORES=1; [ "$DECODER_TP_SIZE" = 2 ] && D_CORES="0|1"
+D_CORES=1; [ "$DECODER_TP_SIZE$DECODER_DP_SIZE" != 11 ] && D_CORES="0|1"
+D_ARGS=(); [ "$DECODER_DP_SIZE" = 2 ] && D_ARGS=(--data-parallel-size 2)
 for i in "${!P_PORTS[@]}"; do
   serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$PREFILLER_TP_SIZE" \
     "$(ktc kv_producer "${RUN_ID}p$i" 0)" "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}"
@@ -177,7 +183,7 @@ if [ "$DECODE_TARGET" = qaic ]; then
 else
   for j in "${!D_PORTS[@]}"; do
     serve "decode$j" "$D_CORES" "${D_PORTS[$j]}" "${D_BLOCKS[j % ${#D_BLOCKS[@]}]}" "$DECODER_TP_SIZE" \
-      "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")"
+      "$(ktc kv_consumer "${RUN_ID}d$j" "${D_KV_PORTS[$j]}")" "${D_ARGS[@]}"
   done
 fi
 PROXY_ARGS=(--routing pairs --prefill) DECODE_URLS=() DECODE_KVS=()

@@ -29,12 +29,14 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
         {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
         # The decode reads the prefill's 32-token blocks straight out of its cache into its
         # 128-token blocks (the proxy names the decode), after the last chunk of a chunked
-        # prefill.
+        # prefill. The decode runs two data-parallel engines, each with its own side channel
+        # on the configured port plus its DP rank.
         {
             **HETERO,
             "PREFILL_BLOCK_SIZE": "32",
             "DECODE_BLOCK_SIZE": "128",
             "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
+            "DECODER_DP_SIZE": "2",
             "LONE_GAPS": "0",  # the idle gaps run in the default case and the random models'
         },
         # xPyD over NIXL (2 prefills x 2 decodes, decodes converting) runs on the random
@@ -42,7 +44,7 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
         # Prefill TP 2 -> decode TP 1 with 512-token blocks runs in CI on the Mamba hybrid
         # (test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1), to keep CI short.
     ],
-    ids=["default-64x8", "p32-d128-chunked"],
+    ids=["default-64x8", "p32-d128-chunked-dp2"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)

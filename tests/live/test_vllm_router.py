@@ -1,8 +1,10 @@
 """The connector behind vLLM's own P/D router (the Rust `vllm-router`, installed with the test
 extras), unchanged: live `vllm serve` pairs, the real router binary in front, real clients.
 
-The router speaks NixlConnector's protocol: it names no decode, re-serialises the JSON
-(floats come back perturbed: tickets must not care), and splices nothing in. So: answers
+Every engine is ``kv_both``, as NixlConnector's P/D examples configure them: the role a
+request plays comes from its ``kv_transfer_params``. The router speaks NixlConnector's
+protocol: it names no decode, re-serialises the JSON (floats come back perturbed: tickets
+must not care), and splices nothing in. So: answers
 right through completions and chat, streamed and not; every request loaded from the
 prefill's KV, none failed; the prefill staged in its decodes' format (`decode_peers`; over
 shm on one host they read its cache directly); and staging freed by the decodes'
@@ -76,7 +78,7 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
             decode_extra["side_channel_key_file"] = key_file
         chat = ["--chat-template", proxy_clients.CHAT_TEMPLATE]
         decode_kvs = [
-            kv_config("kv_consumer", run.engine_id(f"d{i}"), free_port(), transport,
+            kv_config("kv_both", run.engine_id(f"d{i}"), free_port(), transport,
                       **decode_extra)
             for i in range(n)
         ]  # fmt: skip
@@ -86,7 +88,7 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
                    for i, kv in enumerate(decode_kvs)]  # fmt: skip
         prefills = [
             run.vllm(f"prefill{i}", "0", kv_config(
-                "kv_producer", run.engine_id(f"p{i}"), free_port(), transport,
+                "kv_both", run.engine_id(f"p{i}"), free_port(), transport,
                 lease_s=LEASE_S, decode_peers=peers,
             ), extra_args=chat, extra_env=key_env)
             for i in range(n)
