@@ -67,7 +67,7 @@ def keep(tree: Path) -> set[Path]:
 
 
 def main() -> int:
-    release = version("nixl-cu12")  # the version this project pins (nixl-cu12 here, cu13 there)
+    release = version("nixl")  # the meta package: installed beside nixl-cu12 or nixl-cu13
     OUT.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmpdir = Path(tmp)
