@@ -36,6 +36,11 @@ NEGATIVE_CONTROL=${NEGATIVE_CONTROL:-0}
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}
 # Smaller than the prompts forces chunked prefill on the prefill instance.
 PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
+# KV cache sizes in blocks (--num-gpu-blocks-override). Small ones put an engine under KV
+# pressure, where vLLM preempts running requests and recomputes them; the prefill then also
+# admits prompts without reserving their whole length (--no-scheduler-reserve-full-isl).
+PREFILL_KV_BLOCKS=${PREFILL_KV_BLOCKS:-}
+DECODE_KV_BLOCKS=${DECODE_KV_BLOCKS:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
@@ -156,6 +161,7 @@ echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS con
      "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE DP D=$DECODER_DP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
+[ -n "$PREFILL_KV_BLOCKS" ] && PREFILL_ARGS+=(--num-gpu-blocks-override "$PREFILL_KV_BLOCKS" --no-scheduler-reserve-full-isl)
 # Every prefill on core 0, every decode on core 1 (TP 2 ranks use both).
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
@@ -163,6 +169,7 @@ P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
 D_CORES=1; [ "$DECODER_TP_SIZE$DECODER_DP_SIZE" != 11 ] && D_CORES="0|1"
 D_ARGS=(); [ "$DECODER_DP_SIZE" = 2 ] && D_ARGS=(--data-parallel-size 2)
+[ -n "$DECODE_KV_BLOCKS" ] && D_ARGS+=(--num-gpu-blocks-override "$DECODE_KV_BLOCKS")
 for i in "${!P_PORTS[@]}"; do
   serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$PREFILLER_TP_SIZE" \
     "$(ktc kv_producer "${RUN_ID}p$i" 0)" "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}"
@@ -254,9 +261,11 @@ LEAK_URLS=()
 for port in "${P_PORTS[@]}"; do LEAK_URLS+=("prefill:$port"); done
 [ "$DECODE_TARGET" = vllm ] && for port in "${D_PORTS[@]}"; do LEAK_URLS+=("decode:$port"); done
 for entry in "${LEAK_URLS[@]}"; do
-  usage=$(curl -sf "http://127.0.0.1:${entry#*:}/metrics" \
-    | awk '$1 ~ /^vllm:kv_cache_usage_perc/ { s += $2 } END { printf "%g", s }')
-  echo "${entry%%:*} :${entry#*:} KV cache usage after the run: $usage"
+  metrics=$(curl -sf "http://127.0.0.1:${entry#*:}/metrics")
+  usage=$(awk '$1 ~ /^vllm:kv_cache_usage_perc/ { s += $2 } END { printf "%g", s }' <<<"$metrics")
+  count() { awk -v n="$1" 'index($1, n) == 1 { s += $2 } END { printf "%d", s }' <<<"$metrics"; }
+  echo "${entry%%:*} :${entry#*:} KV cache usage after the run: $usage" \
+       "preemptions=$(count vllm:num_preemptions_total) of them handoffs=$(count vllm:qaic_kv_preempted_handoffs_total)"
   if [ "$usage" != 0 ]; then echo "FAIL: ${entry%%:*} on port ${entry#*:} still holds KV blocks"; status=1; fi
 done > "$RUN_DIR/usage.txt"
 grep -q '^FAIL:' "$RUN_DIR/usage.txt" && status=1

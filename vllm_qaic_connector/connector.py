@@ -74,6 +74,10 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
         self._w().bind(None)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, QAICConnectorMetadata)
+        self._w().handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._w().start_load_kv()
 

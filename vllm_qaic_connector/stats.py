@@ -21,6 +21,7 @@ COUNTERS = {
     "direct_reads": "Loads copied straight out of the prefill's KV cache, without staging",
     "lease_expiries": "Staged requests whose lease ran out before every decode read them (prefill)",
     "handshakes": "Handshakes completed with peer engines",
+    "preempted_handoffs": "Prompts preempted once staging began, resumed from there (prefill)",
 }
 
 # Counted per prefill engine the KV came from: ``loaded_requests_from:<engine_id>``.

@@ -69,6 +69,9 @@ class QAICConnectorMetadata(KVConnectorMetadata):
     # Requests handed off directly whose tickets are gone: the worker reports them finished
     # sending (vLLM frees their blocks) after it invalidated this step's ``invalidate``.
     release_direct: list[str] = field(default_factory=list)
+    # Requests preempted this step with saves behind them: vLLM freed their blocks, and
+    # this step's forward may write others' KV there, so those saves finish first.
+    preempted: list[str] = field(default_factory=list)
     # Nothing is computed this step: the worker may wait a moment for this step's loads,
     # so a quick one is reported now rather than after another engine step.
     idle: bool = False

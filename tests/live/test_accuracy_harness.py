@@ -26,7 +26,17 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
 @pytest.mark.parametrize(
     "env",
     [
-        {"NUM_PROMPTS": "64", "CONCURRENCY": "8"},
+        # Both engines under KV pressure (the fewest blocks max_model_len allows, plus one
+        # or two), as a busy fleet runs: vLLM preempts running requests and recomputes them,
+        # prefills mid-prompt with saves behind them and decodes after their loads.
+        # Chunked prefill: a prompt is preempted after its first chunks were staged.
+        {
+            "NUM_PROMPTS": "64",
+            "CONCURRENCY": "8",
+            "PREFILL_KV_BLOCKS": "9",
+            "DECODE_KV_BLOCKS": "10",
+            "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
+        },
         # The decode reads the prefill's 32-token blocks straight out of its cache into its
         # 128-token blocks (the proxy names the decode), after the last chunk of a chunked
         # prefill. The decode runs two data-parallel engines, each with its own side channel
@@ -44,7 +54,7 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
         # Prefill TP 2 -> decode TP 1 with 512-token blocks runs in CI on the Mamba hybrid
         # (test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1), to keep CI short.
     ],
-    ids=["default-64x8", "p32-d128-chunked-dp2"],
+    ids=["default-64x8-kv-pressure", "p32-d128-chunked-dp2"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)
@@ -54,8 +64,13 @@ def test_disaggregated_matches_aggregated(env):
     assert m.group(4) == env["NUM_PROMPTS"]
     loads = re.search(r"loaded_requests=(\d+) .* direct_reads=(\d+)", out)
     assert loads, out
-    # shm: every load copies out of the prefill's cache, block sizes equal or not.
-    assert int(loads.group(2)) == int(loads.group(1))
+    if "PREFILL_KV_BLOCKS" in env:
+        lines = r"^(prefill|decode) :\d+ .* preemptions=(\d+) of them handoffs=(\d+)$"
+        preempted = {role: (int(n), int(h)) for role, n, h in re.findall(lines, out, re.M)}
+        assert preempted["decode"][0] > 0, f"no KV pressure on the decode: {preempted}"
+        assert preempted["prefill"][1] > 0, f"no handoff preempted on the prefill: {preempted}"
+    else:  # shm: every load copies out of the prefill's cache, block sizes equal or not
+        assert int(loads.group(2)) == int(loads.group(1))
 
 
 def test_negative_control_fails_loudly():

@@ -194,3 +194,46 @@ def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatc
     finally:
         reader.close()
         worker.shutdown()
+
+
+def test_a_preempted_request_s_save_finishes_before_the_forward_reuses_its_blocks(monkeypatch):
+    """vLLM frees a preempted request's blocks at once, and the next forward may write
+    another request's KV into them. Through the connector's ``handle_preemptions`` (what
+    vLLM's model runner calls before that forward), a chunk still queued on the save
+    thread is staged from the blocks as they were: the bytes written after it returns
+    never reach the staging."""
+    from vllm_qaic_connector.connector import QAICConnector
+    from vllm_qaic_connector.worker import request_saves
+
+    monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    extra = {"async_saves": True}
+    worker = make_worker({**args, "engine": f"pr{os.getpid()}", "extra": extra}, seed=5)
+    assert worker.transport is not None and worker.saves is not None
+    connector = QAICConnector.__new__(QAICConnector)  # its worker half only
+    connector.worker = worker
+    reader = ShmTransport(f"qaic_kv_pr{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
+    try:
+        n, blocks = 64, [5, 2]
+        want = [gather_tokens(layer, blocks, n) for layer in worker.layers]
+        gate = threading.Event()
+        worker.saves.saver.submit(gate.wait)  # the save thread is busy with an earlier save
+        worker.bind(QAICConnectorMetadata(saves=[save_spec("p1", blocks, n, 0, GEN)]))
+        worker.wait_for_save()  # the chunk is queued behind it
+        worker.bind(None)
+        threading.Timer(0.3, gate.set).start()
+        connector.handle_preemptions(QAICConnectorMetadata(preempted=["p1"]))
+        for layer in worker.layers:  # the next forward: another request's KV in p1's blocks
+            for plane in layer:
+                plane[blocks] = -1.0
+        geo = KVGeometry(2, 32, 32, torch.float32)
+        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        staged = list(range(blocks_for_tokens(n, 32)))
+        with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
+            for (k, v), dst in zip(want, fmt.layer_views(r, n), strict=True):
+                got = gather_tokens(dst, staged, n)
+                assert torch.equal(k, got[0]) and torch.equal(v, got[1])
+    finally:
+        gate.set()
+        reader.close()
+        worker.shutdown()

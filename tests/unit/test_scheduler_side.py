@@ -614,3 +614,34 @@ def test_each_data_parallel_rank_listens_on_its_own_side_channel_port():
     finally:
         for d in decodes:
             d.connector.shutdown()
+
+
+def test_a_prefill_preempted_between_chunks_names_itself_to_the_worker_and_stages_every_token():
+    """KV pressure on a kv_both engine: a plain request's growth preempts a handoff
+    mid-prompt (admission without reserving whole prompts, ``--no-scheduler-reserve-full-isl``).
+    vLLM frees its blocks at once, so the step's metadata names it (the worker's
+    ``handle_preemptions`` lets its saves finish before the forward reuses them); when it
+    resumes, the chunks staged before still count and every prompt token is staged."""
+    sched = make_scheduler("kv_both", BS, {"async_saves": True}, num_blocks=8, max_batched=16)
+    sched.scheduler_reserve_full_isl = False
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("plain", 16, None, max_tokens=60, first=9))
+        sched.add_request(make_request("p1", 96, {"do_remote_decode": True}))
+        preempted_steps, staged, ticket = 0, set[int](), None
+        for _ in range(100):
+            out, outputs = step(sched)
+            if "p1" in (out.preempted_req_ids or ()):
+                preempted_steps += 1
+                assert meta(out).preempted == ["p1"]
+            else:
+                assert meta(out).preempted == []
+            for save in meta(out).saves:
+                staged.update(range(save.first, save.last))
+            if ticket := params_of(outputs, "p1"):
+                break
+        assert preempted_steps > 0, "no preemption: the test lost its KV pressure"
+        assert ticket and ticket["do_remote_prefill"] and ticket["num_tokens"] == 96
+        assert staged == set(range(96))
+    finally:
+        sched.connector.shutdown()

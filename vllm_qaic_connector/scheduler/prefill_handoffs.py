@@ -103,6 +103,7 @@ class PrefillHandoffs:
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
         self._generations = Generations()
+        self.preemptions = 0  # for stats, taken by the scheduler side
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
             peers.poll(host, port)
 
@@ -224,11 +225,19 @@ class PrefillHandoffs:
                 self._to_save.pop(rid, None)
                 continue
             spec = self._save_spec(req, outgoing, last, final)
-            outgoing.saved_to = last
+            outgoing.saved_to = max(outgoing.saved_to, last)  # a preempted one recomputes
             if final:
                 self._staged[rid] = spec
             saves.append(spec)
         return saves
+
+    def preempted(self, out: SchedulerOutput) -> list[str]:
+        """Requests preempted this step that have saved chunks, so a save may still be
+        reading blocks vLLM just freed."""
+        preempted = out.preempted_req_ids or set()
+        ours = sorted(r for r in preempted if (o := self._outgoing.get(r)) and o.saved_to)
+        self.preemptions += len(ours)
+        return ours
 
     def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
         assert self.kv_cache_manager is not None and out.offset is not None

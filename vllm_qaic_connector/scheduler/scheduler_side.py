@@ -162,6 +162,7 @@ class SchedulerSide:
             invalidate=self.pool.drain_freed(),
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,
+            preempted=self.handoffs.preempted(scheduler_output),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
 
@@ -183,6 +184,8 @@ class SchedulerSide:
         stats.set("staging_pages_total", self.pool.num_pages)
         stats.add("lease_expiries", self.releases.take_expired())
         stats.add("handshakes", self.peers.take_handshakes())
+        stats.add("preempted_handoffs", self.handoffs.preemptions)
+        self.handoffs.preemptions = 0
         return stats
 
     def shutdown(self) -> None:

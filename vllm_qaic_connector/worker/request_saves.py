@@ -74,6 +74,13 @@ class RequestSaves:
         nbytes = sum(tokens_bytes(layers, s.first, s.last or s.num_tokens) for s in saves)
         return nbytes <= INLINE_SAVE_BYTES
 
+    def finish(self, request_ids: list[str]) -> None:
+        """Waits for the saves still reading these requests' blocks (vLLM's
+        ``handle_preemptions``: the blocks go to other requests in this step)."""
+        for rid in request_ids:
+            if (job := self._saving.get(rid)) is not None:
+                job.result()
+
     def hold(self, request_ids: list[str]) -> None:
         """Finished requests whose blocks vLLM holds until their saves are done."""
         self._await_saves.update(request_ids)

@@ -184,6 +184,10 @@ class WorkerSide:
         if metadata is not None and self.saves is not None:
             self.saves.hold(metadata.await_saves)
 
+    def handle_preemptions(self, metadata: QAICConnectorMetadata) -> None:
+        if self.saves is not None:
+            self.saves.finish(metadata.preempted)
+
     def start_load_kv(self) -> None:
         self._started = []
         if self._metadata is None or self._loader is None:
