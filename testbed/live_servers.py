@@ -371,6 +371,19 @@ def kv_config(
     }
 
 
+def multi_connector(kv: dict[str, Any]) -> dict[str, Any]:
+    """``kv`` as the only child of vLLM's MultiConnector, as operators who add cache tiers
+    configure it. The engine id stays on the parent: vLLM's MultiConnector passes it to each
+    child and fails on a child that names its own."""
+    child = {k: v for k, v in kv.items() if k != "engine_id"}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": kv["kv_role"],
+        "engine_id": kv["engine_id"],
+        "kv_connector_extra_config": {"connectors": [child]},
+    }
+
+
 class Server:
     """One process group, started from ``argv``; logs to ``<workdir>/<name>.<n>.log``."""
 

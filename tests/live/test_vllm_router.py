@@ -8,7 +8,9 @@ must not care), and splices nothing in. So: answers
 right through completions and chat, streamed and not; every request loaded from the
 prefill's KV, none failed; the prefill staged in its decodes' format (`decode_peers`; over
 shm on one host they read its cache directly); and staging freed by the decodes'
-acknowledgements, after the run and after a client abort, never by a lease running out."""
+acknowledgements, after the run and after a client abort, never by a lease running out.
+In the 2P2D fleet, one prefill and one decode run the connector inside vLLM's MultiConnector
+(how operators add cache tiers), so its metadata, handshake and stats go through that."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from testbed.live_servers import (
     copy_prompts,
     free_port,
     kv_config,
+    multi_connector,
     poll_until,
     wait_all_ready,
 )
@@ -84,13 +87,15 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
         ]  # fmt: skip
         peers = [f"127.0.0.1:{kv['kv_connector_extra_config']['side_channel_port']}"
                  for kv in decode_kvs]  # fmt: skip
-        decodes = [run.vllm(f"decode{i}", "1", kv, extra_args=chat)
+        # The second engine of each kind runs the connector inside vLLM's MultiConnector.
+        wrap = [lambda kv: kv, multi_connector]
+        decodes = [run.vllm(f"decode{i}", "1", wrap[i](kv), extra_args=chat)
                    for i, kv in enumerate(decode_kvs)]  # fmt: skip
         prefills = [
-            run.vllm(f"prefill{i}", "0", kv_config(
+            run.vllm(f"prefill{i}", "0", wrap[i](kv_config(
                 "kv_both", run.engine_id(f"p{i}"), free_port(), transport,
                 lease_s=LEASE_S, decode_peers=peers,
-            ), extra_args=chat, extra_env=key_env)
+            )), extra_args=chat, extra_env=key_env)
             for i in range(n)
         ]  # fmt: skip
         wait_all_ready(*prefills, *decodes, retries=1)
