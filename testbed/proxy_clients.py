@@ -7,7 +7,8 @@ Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost
   token fewer than the answer where it continues from the prefill's (completions);
 - a client that disconnects after the first chunk: the decode's running requests and the
   prefill's staging pages return to 0;
-- `vllm bench serve` against the proxy: every request succeeds.
+- `vllm bench serve` against the proxy: every request succeeds;
+- the proxy's answers equal vLLM's own, field by field, for one prompt and a list of them.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"
 FINISHED = "vllm:request_success_total"  # counts normal finishes only, never aborts
 PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
+LOADED = "vllm:qaic_kv_loaded_requests_total"
 # The tiny model has no chat template: the servers get one that sends the text as is.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -180,3 +182,32 @@ def check_vllm_bench_serve(proxy: Server, num_prompts: int = 16) -> dict[str, An
     assert failed is None or int(failed.group(1)) == 0, out[-3000:]
     throughput = re.search(r"Output token throughput \(tok/s\):\s+([\d.]+)", out)
     return {"successful": int(ok.group(1)), "output_tok_s": throughput and throughput.group(1)}
+
+
+# Fields that differ between any two answers (ids, clocks), whichever server gave them.
+PER_ANSWER = ("id", "created", "system_fingerprint", "service_tier", "kv_transfer_params")
+
+
+def check_answers_match_vllm(
+    proxy: Server, prefill: VllmServer, decode: VllmServer, prompts: list[str]
+) -> dict[str, Any]:
+    """The proxy's answer is the one vLLM itself gives (the prefill serving the request,
+    salted away from the handoffs' cached blocks), field by field, for one prompt and for a
+    list of prompts (each handed off on its own), with and without ``return_token_ids``."""
+    loaded0 = decode.metric(LOADED, 0.0)
+    compared = 0
+    for prompt in (prompts[0], prompts):
+        for ids in (False, True):
+            body = {"model": "model", "prompt": prompt, "max_tokens": ANSWER_TOKENS,
+                    "temperature": 0.0, "return_token_ids": ids}  # fmt: skip
+            got = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
+            salted = {**body, "cache_salt": f"reference-{time.monotonic_ns()}"}
+            want = requests.post(f"{prefill.url}/v1/completions", json=salted, timeout=120)
+            assert got.status_code == want.status_code == 200, (got.text[:300], want.text[:300])
+            a, b = ({k: v for k, v in r.json().items() if k not in PER_ANSWER} for r in (got, want))
+            assert a == b, f"prompt list={isinstance(prompt, list)} token ids={ids}: {a} != {b}"
+            compared += 1
+    time.sleep(1.0)  # the last step's connector stats reach /metrics
+    loaded = decode.metric(LOADED, 0.0) - loaded0
+    assert loaded == 2 * (1 + len(prompts)), f"{loaded} loads for {2 * (1 + len(prompts))} prompts"
+    return {"answers_compared": compared, "kv_loads": loaded}

@@ -106,7 +106,7 @@ class FirstToken:
         """The decode's whole answer, with the first token put back in front."""
         choice = answer["choices"][0]
         choice["text"] = self.text + (choice.get("text") or "")
-        if "token_ids" in choice:  # asked for by the client: the prompt is the prefill's
+        if choice.get("token_ids") is not None:  # asked for: the prompt is the prefill's
             choice.update(
                 prompt_token_ids=self.prompt_token_ids,
                 token_ids=self.token_ids + (choice["token_ids"] or []),

@@ -26,7 +26,7 @@ from aiohttp import web
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
-from vllm_qaic_proxy import first_token
+from vllm_qaic_proxy import batches, first_token
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import Router
 
@@ -215,8 +215,29 @@ class Proxy:
             return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
         if problem := unsupported(body):
             return web.json_response(error_body(400, problem), status=400)
-        prefill_url, decode_url = self.router.route()
         chat = request.path.endswith("/chat/completions")
+        several = None if chat else batches.prompts(body)
+        if several is None:
+            return await self._handoff(request, body, chat)
+        if body.get("stream"):
+            problem = (
+                "a list of prompts with stream=true is not supported through the "
+                "disaggregating proxy: stream one prompt per request"
+            )
+            return web.json_response(error_body(400, problem), status=400)
+        answers = await asyncio.gather(
+            *(self._handoff(request, {**body, "prompt": p}, chat) for p in several)
+        )
+        status, answer = batches.merged([answer_of(a) for a in answers])
+        timings = [t for a in answers if (t := a.headers.get("Server-Timing"))]
+        timing = {"Server-Timing": max(timings, key=prefill_ms)} if timings else None
+        return web.json_response(answer, status=status, headers=timing)
+
+    async def _handoff(
+        self, request: web.Request, body: dict[str, Any], chat: bool
+    ) -> web.StreamResponse:
+        """One prompt through a prefill leg and a decode leg."""
+        prefill_url, decode_url = self.router.route()
         first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
         params: dict[str, Any] | None = None
         done = False
@@ -321,6 +342,17 @@ class Proxy:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+
+def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:
+    """A non-streamed answer's status and JSON body."""
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+    return response.status, json.loads(response.body)
+
+
+def prefill_ms(timing: str) -> float:
+    """The prefill leg's milliseconds in our Server-Timing header."""
+    return float(timing.rpartition("dur=")[2] or 0)
 
 
 def usage_asked(body: dict[str, Any]) -> bool:

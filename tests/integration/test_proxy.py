@@ -22,7 +22,7 @@ from aiohttp import web
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
-from vllm_qaic_proxy import first_token
+from vllm_qaic_proxy import batches, first_token
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
 from vllm_qaic_proxy.server import Proxy, prefill_body, unsupported
 
@@ -121,6 +121,20 @@ def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
 def test_several_choices_are_refused_naming_the_field(field: str, value: int) -> None:
     problem = unsupported({"prompt": "hi", field: value})
     assert problem is not None and problem.startswith(f"{field}={value}")
+
+
+def test_a_list_of_prompts_is_answered_as_vllm_answers_it() -> None:
+    assert batches.prompts({"prompt": "hi"}) is None
+    assert batches.prompts({"prompt": [5, 6, 7]}) is None  # token ids: one prompt
+    assert batches.prompts({"prompt": ["a", [5, 6]]}) == ["a", [5, 6]]
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "details": None}
+    answer = {"id": "x", "choices": [{"index": 0, "text": "t"}], "usage": usage}
+    status, merged = batches.merged([(200, answer), (200, answer)])
+    assert status == 200 and [c["index"] for c in merged["choices"]] == [0, 1]
+    assert merged["usage"] == {**usage, "prompt_tokens": 6, "completion_tokens": 4,
+                               "total_tokens": 10}  # fmt: skip
+    failed = {"error": {"message": "boom"}}
+    assert batches.merged([(200, answer), (503, failed), (502, {})]) == (503, failed)
 
 
 def test_one_choice_is_fine() -> None:
@@ -483,8 +497,9 @@ async def test_a_failed_handoff_is_503_kv_handoff_error(prefill: Prefill, decode
         (b'{"prompt": "hi", "n": 2}', "n=2"),
         (b'["hi"]', "JSON object"),
         (b"hi", "JSON object"),
+        (b'{"prompt": ["a", "b"], "stream": true}', "a list of prompts with stream=true"),
     ],
-    ids=["n=2", "array", "not-json"],
+    ids=["n=2", "array", "not-json", "streamed-list"],
 )
 async def test_bad_requests_are_400_before_any_leg(
     prefill: Prefill, decode: Decode, data: bytes, names: str
@@ -606,9 +621,8 @@ async def test_an_answer_ending_at_the_prefills_token_needs_no_decode(
         ("/v1/completions", {"stop": ["\n"]}),
         ("/v1/completions", {"logprobs": 2}),
         ("/v1/completions", {"presence_penalty": 0.5}),
-        ("/v1/completions", {"prompt": ["a", "b"]}),
     ],
-    ids=["chat", "stop", "logprobs", "penalty", "two prompts"],
+    ids=["chat", "stop", "logprobs", "penalty"],
 )
 async def test_options_spanning_the_first_token_keep_the_decodes_own(
     prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]

@@ -733,6 +733,15 @@ class TestShm:
         c.ensure(c.prefill, c.decode, c.proxy)
         say("vllm bench serve", **proxy_clients.check_vllm_bench_serve(c.proxy))
 
+    def test_l_answers_equal_vllm_s_for_one_prompt_and_a_list(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        prompts = [p for p, _ in c.prompts(3)]
+        say(
+            "answers",
+            **proxy_clients.check_answers_match_vllm(c.proxy, c.prefill, c.decode, prompts),
+        )
+
     # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
 
     def test_k_llm_d_sidecar_request_sequence(self, shm_cluster: Cluster) -> None:
