@@ -13,6 +13,7 @@ Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import time
@@ -188,26 +189,53 @@ def check_vllm_bench_serve(proxy: Server, num_prompts: int = 16) -> dict[str, An
 PER_ANSWER = ("id", "created", "system_fingerprint", "service_tier", "kv_transfer_params")
 
 
+def _answer(url: str, path: str, body: dict[str, Any]) -> Any:
+    """The JSON answer, or a stream's events, without the fields that differ every time."""
+    with requests.post(url + path, json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200, f"{url}{path}: HTTP {r.status_code} {r.text[:300]}"
+        if not body.get("stream"):
+            return {k: v for k, v in r.json().items() if k not in PER_ANSWER}
+        lines = [line[6:] for line in r.iter_lines() if line.startswith(b"data: ")]
+    assert lines[-1] == b"[DONE]", lines[-1:]
+    events = [json.loads(line) for line in lines[:-1]]
+    return [{k: v for k, v in e.items() if k not in PER_ANSWER} for e in events]
+
+
 def check_answers_match_vllm(
     proxy: Server, prefill: VllmServer, decode: VllmServer, prompts: list[str]
 ) -> dict[str, Any]:
-    """The proxy's answer is the one vLLM itself gives (the prefill serving the request,
-    salted away from the handoffs' cached blocks), field by field, for one prompt and for a
-    list of prompts (each handed off on its own), with and without ``return_token_ids``."""
+    """The proxy's answers are the ones vLLM itself gives (the prefill serving the request,
+    salted away from the handoffs' cached blocks), field by field and event by event:
+    completions and chat, streamed (with usage or not) and not, an answer that ends at the
+    prefill's token, logprobs, token ids, and a list of prompts (each handed off alone)."""
     loaded0 = decode.metric(LOADED, 0.0)
-    compared = 0
-    for prompt in (prompts[0], prompts):
-        for ids in (False, True):
-            body = {"model": "model", "prompt": prompt, "max_tokens": ANSWER_TOKENS,
-                    "temperature": 0.0, "return_token_ids": ids}  # fmt: skip
-            got = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=120)
-            salted = {**body, "cache_salt": f"reference-{time.monotonic_ns()}"}
-            want = requests.post(f"{prefill.url}/v1/completions", json=salted, timeout=120)
-            assert got.status_code == want.status_code == 200, (got.text[:300], want.text[:300])
-            a, b = ({k: v for k, v in r.json().items() if k not in PER_ANSWER} for r in (got, want))
-            assert a == b, f"prompt list={isinstance(prompt, list)} token ids={ids}: {a} != {b}"
-            compared += 1
+    one, chat = prompts[0], [{"role": "user", "content": prompts[0]}]
+    usage = {"stream_options": {"include_usage": True}}
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": one}),
+        ("/v1/completions", {"prompt": one, "stream": True}),
+        ("/v1/completions", {"prompt": one, "stream": True, **usage}),
+        ("/v1/completions", {"prompt": one, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": one, "max_tokens": 1, "stream": True, **usage}),
+        ("/v1/completions", {"prompt": one, "logprobs": 2, "stream": True}),
+        ("/v1/completions", {"prompt": one, "return_token_ids": True}),
+        ("/v1/completions", {"prompt": prompts}),
+        ("/v1/completions", {"prompt": prompts, "return_token_ids": True}),
+        ("/v1/chat/completions", {"messages": chat}),
+        ("/v1/chat/completions", {"messages": chat, "stream": True, **usage}),
+    ]
+    handoffs = 0
+    for path, case in cases:
+        body = {"model": "model", "max_tokens": ANSWER_TOKENS, "temperature": 0.0, **case}
+        got = _answer(proxy.url, path, body)
+        salt = {"cache_salt": f"reference-{time.monotonic_ns()}"}
+        want = _answer(prefill.url, path, {**body, **salt})
+        assert got == want, f"{path} {case.keys()}: the proxy's {got} != vLLM's {want}"
+        prompt = case.get("prompt")
+        if case.get("max_tokens") == 1:
+            continue  # the prefill's token is the whole answer: no decode, no load
+        handoffs += len(prompt) if isinstance(prompt, list) else 1
     time.sleep(1.0)  # the last step's connector stats reach /metrics
     loaded = decode.metric(LOADED, 0.0) - loaded0
-    assert loaded == 2 * (1 + len(prompts)), f"{loaded} loads for {2 * (1 + len(prompts))} prompts"
-    return {"answers_compared": compared, "kv_loads": loaded}
+    assert loaded == handoffs, f"{loaded} loads for {handoffs} handed-off prompts"
+    return {"cases_compared": len(cases), "kv_loads": loaded}

@@ -39,6 +39,8 @@ SPANNING = (
 )  # fmt: skip
 UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
+# The fields of vLLM's streamed completion chunks, besides choices (and usage, at the end).
+STREAM_HEAD = ("id", "object", "created", "model")
 
 
 def eligible(body: dict[str, Any], chat: bool) -> bool:
@@ -83,7 +85,7 @@ class FirstToken:
         text = choice.get("text") or ""
         if not finished and (not text or UNSURE_TEXT in text):
             return None  # its text depends on the tokens after it: the decode's own
-        shown = {k: v for k, v in choice.items() if k not in ("prompt_token_ids", "token_ids")}
+        shown = {**choice, "prompt_token_ids": None, "token_ids": None}  # as vLLM's, unasked
         answer = {k: v for k, v in prefilled.items() if k != "kv_transfer_params"}
         answer["choices"] = [shown]  # a copy: the prefill's answer is left as it came
         if body.get("return_token_ids"):
@@ -116,13 +118,18 @@ class FirstToken:
 
     def events(self, include_usage: bool) -> bytes:
         """The first token as a streamed event; the whole stream when the prefill finished."""
-        choice = {**self.answer["choices"][0], "text": self.text}
-        if not self.finished:
-            choice.update(finish_reason=None, stop_reason=None)
-        chunk = {**self.answer, "choices": [choice], "usage": None}
-        out = [chunk]
+        head = {k: self.answer[k] for k in STREAM_HEAD if k in self.answer}
+        ended = self.answer["choices"][0] if self.finished else {}
+        choice = {
+            "index": 0, "text": self.text, "logprobs": None,
+            "finish_reason": ended.get("finish_reason"), "stop_reason": ended.get("stop_reason"),
+            "prompt_token_ids": None, "token_ids": None,
+        }  # fmt: skip
+        out = [{**head, "choices": [choice]}]
         if self.finished and include_usage:
-            out.append({**self.answer, "choices": [], "usage": self.answer.get("usage")})
+            usage = self.answer.get("usage") or {}
+            counts = {k: v for k, v in usage.items() if v is not None}  # as vLLM streams it
+            out.append({**head, "choices": [], "usage": counts})
         data = b"".join(event(c) for c in out)
         return data + b"data: [DONE]\n\n" if self.finished else data
 

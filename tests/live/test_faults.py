@@ -733,7 +733,7 @@ class TestShm:
         c.ensure(c.prefill, c.decode, c.proxy)
         say("vllm bench serve", **proxy_clients.check_vllm_bench_serve(c.proxy))
 
-    def test_l_answers_equal_vllm_s_for_one_prompt_and_a_list(self, shm_cluster: Cluster) -> None:
+    def test_l_answers_equal_vllm_s(self, shm_cluster: Cluster) -> None:
         c = shm_cluster
         c.ensure(c.prefill, c.decode, c.proxy)
         prompts = [p for p, _ in c.prompts(3)]
