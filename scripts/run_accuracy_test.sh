@@ -41,6 +41,8 @@ PREFILL_MAX_NUM_BATCHED_TOKENS=${PREFILL_MAX_NUM_BATCHED_TOKENS:-}
 # admits prompts without reserving their whole length (--no-scheduler-reserve-full-isl).
 PREFILL_KV_BLOCKS=${PREFILL_KV_BLOCKS:-}
 DECODE_KV_BLOCKS=${DECODE_KV_BLOCKS:-}
+# The decode's --speculative-config (JSON), e.g. {"method":"ngram","num_speculative_tokens":3}.
+DECODE_SPECULATIVE_CONFIG=${DECODE_SPECULATIVE_CONFIG:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
@@ -170,6 +172,7 @@ DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:
 D_CORES=1; [ "$DECODER_TP_SIZE$DECODER_DP_SIZE" != 11 ] && D_CORES="0|1"
 D_ARGS=(); [ "$DECODER_DP_SIZE" = 2 ] && D_ARGS=(--data-parallel-size 2)
 [ -n "$DECODE_KV_BLOCKS" ] && D_ARGS+=(--num-gpu-blocks-override "$DECODE_KV_BLOCKS")
+[ -n "$DECODE_SPECULATIVE_CONFIG" ] && D_ARGS+=(--speculative-config "$DECODE_SPECULATIVE_CONFIG")
 for i in "${!P_PORTS[@]}"; do
   serve "prefill$i" "$P_CORES" "${P_PORTS[$i]}" "${P_BLOCKS[i % ${#P_BLOCKS[@]}]}" "$PREFILLER_TP_SIZE" \
     "$(ktc kv_producer "${RUN_ID}p$i" 0)" "${PREFILL_ARGS[@]}" "${DTYPE_ARGS[@]}"
@@ -266,6 +269,10 @@ for entry in "${LEAK_URLS[@]}"; do
   count() { awk -v n="$1" 'index($1, n) == 1 { s += $2 } END { printf "%d", s }' <<<"$metrics"; }
   echo "${entry%%:*} :${entry#*:} KV cache usage after the run: $usage" \
        "preemptions=$(count vllm:num_preemptions_total) of them handoffs=$(count vllm:qaic_kv_preempted_handoffs_total)"
+  if [ -n "$DECODE_SPECULATIVE_CONFIG" ] && [ "${entry%%:*}" = decode ]; then
+    echo "decode :${entry#*:} speculative tokens accepted=$(count vllm:spec_decode_num_accepted_tokens_total)" \
+         "of drafted=$(count vllm:spec_decode_num_draft_tokens_total)"
+  fi
   if [ "$usage" != 0 ]; then echo "FAIL: ${entry%%:*} on port ${entry#*:} still holds KV blocks"; status=1; fi
 done > "$RUN_DIR/usage.txt"
 grep -q '^FAIL:' "$RUN_DIR/usage.txt" && status=1

@@ -20,6 +20,8 @@ from testbed.live_servers import harness, harness_leaves_nothing, last_line, ran
 from testbed.model import ROOT
 
 HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
+NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                "prompt_lookup_min": 2}  # fmt: skip
 
 
 # Each run starts three vLLM servers, so the cases combine independent axes.
@@ -40,9 +42,11 @@ HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
         # The decode reads the prefill's 32-token blocks straight out of its cache into its
         # 128-token blocks (the proxy names the decode), after the last chunk of a chunked
         # prefill. The decode runs two data-parallel engines, each with its own side channel
-        # on the configured port plus its DP rank.
+        # on the configured port plus its DP rank, and speculative decoding (ngram drafts)
+        # over the loaded KV.
         {
             **HETERO,
+            "DECODE_SPECULATIVE_CONFIG": json.dumps(NGRAM_DRAFTS),
             "PREFILL_BLOCK_SIZE": "32",
             "DECODE_BLOCK_SIZE": "128",
             "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
@@ -71,6 +75,9 @@ def test_disaggregated_matches_aggregated(env):
         assert preempted["prefill"][1] > 0, f"no handoff preempted on the prefill: {preempted}"
     else:  # shm: every load copies out of the prefill's cache, block sizes equal or not
         assert int(loads.group(2)) == int(loads.group(1))
+    if "DECODE_SPECULATIVE_CONFIG" in env:
+        accepted = re.search(r"speculative tokens accepted=(\d+)", out)
+        assert accepted and int(accepted.group(1)) > 0, "no draft token was accepted"
 
 
 def test_negative_control_fails_loudly():
