@@ -17,6 +17,7 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -40,6 +41,7 @@ RUNNING = "vllm:num_requests_running"
 FINISHED = "vllm:request_success_total"  # counts normal finishes only, never aborts
 PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 LOADED = "vllm:qaic_kv_loaded_requests_total"
+SAVED = "vllm:qaic_kv_saved_requests_total"
 # The tiny model has no chat template: the servers get one that sends the text as is.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -202,40 +204,53 @@ def _answer(url: str, path: str, body: dict[str, Any]) -> Any:
 
 
 def check_answers_match_vllm(
-    proxy: Server, prefill: VllmServer, decode: VllmServer, prompts: list[str]
+    proxy: Server, prefill: VllmServer, decode: VllmServer, fresh: Callable[[int], list[str]]
 ) -> dict[str, Any]:
     """The proxy's answers are the ones vLLM itself gives (the prefill serving the request,
     salted away from the handoffs' cached blocks), field by field and event by event:
     completions and chat, streamed (with usage or not) and not, an answer that ends at the
-    prefill's token, logprobs, token ids, and a list of prompts (each handed off alone)."""
-    loaded0 = decode.metric(LOADED, 0.0)
-    one, chat = prompts[0], [{"role": "user", "content": prompts[0]}]
+    prefill's token, logprobs, echo, stop strings, seeded sampling, token ids, and a list of
+    prompts (each handed off alone). ``fresh(n)``: n prompts no earlier request used, so
+    every handoff loads its whole prompt (no local prefix hit on the decode).
+
+    And each prompt is staged and loaded as expected: once each, except an answer that
+    ends at the prefill's token (staged, never loaded) and prompt logprobs (vLLM scores
+    the prompt by computing it, reading no cache: the decode alone, nothing staged)."""
     usage = {"stream_options": {"include_usage": True}}
-    cases: list[tuple[str, dict[str, Any]]] = [
-        ("/v1/completions", {"prompt": one}),
-        ("/v1/completions", {"prompt": one, "stream": True}),
-        ("/v1/completions", {"prompt": one, "stream": True, **usage}),
-        ("/v1/completions", {"prompt": one, "max_tokens": 1}),
-        ("/v1/completions", {"prompt": one, "max_tokens": 1, "stream": True, **usage}),
-        ("/v1/completions", {"prompt": one, "logprobs": 2, "stream": True}),
-        ("/v1/completions", {"prompt": one, "return_token_ids": True}),
-        ("/v1/completions", {"prompt": prompts}),
-        ("/v1/completions", {"prompt": prompts, "return_token_ids": True}),
-        ("/v1/chat/completions", {"messages": chat}),
-        ("/v1/chat/completions", {"messages": chat, "stream": True, **usage}),
+    seeded = {"temperature": 0.9, "seed": 7}
+    handoff, prefill_alone, decode_alone = (1, 1), (1, 0), (0, 0)  # (staged, loaded) each
+    completions: list[tuple[dict[str, Any], tuple[int, int]]] = [
+        ({}, handoff), ({"stream": True}, handoff), ({"stream": True, **usage}, handoff),
+        ({"max_tokens": 1}, prefill_alone),
+        ({"max_tokens": 1, "stream": True, **usage}, prefill_alone),
+        ({"logprobs": 2, "stream": True}, handoff), ({"return_token_ids": True}, handoff),
+        ({"echo": True, "logprobs": 1}, decode_alone), ({"stop": ["]"], "stream": True}, handoff),
+        (seeded, handoff), ({**seeded, "stream": True}, handoff),
+    ]  # fmt: skip
+    cases = [("/v1/completions", {"prompt": fresh(1)[0], **o}, n) for o, n in completions]
+    lists: list[dict[str, Any]] = [{}, {"return_token_ids": True}]
+    chats: list[dict[str, Any]] = [
+        {},
+        {"stream": True, **usage},
+        {"logprobs": True, "top_logprobs": 2},
     ]
-    handoffs = 0
-    for path, case in cases:
+    for o in lists:
+        cases.append(("/v1/completions", {"prompt": fresh(3), **o}, (3, 3)))
+    for o in chats:
+        message = [{"role": "user", "content": fresh(1)[0]}]
+        cases.append(("/v1/chat/completions", {"messages": message, **o}, handoff))
+    staged0, loaded0 = prefill.metric(SAVED, 0.0), decode.metric(LOADED, 0.0)
+    for path, case, _ in cases:
         body = {"model": "model", "max_tokens": ANSWER_TOKENS, "temperature": 0.0, **case}
         got = _answer(proxy.url, path, body)
         salt = {"cache_salt": f"reference-{time.monotonic_ns()}"}
         want = _answer(prefill.url, path, {**body, **salt})
         assert got == want, f"{path} {case.keys()}: the proxy's {got} != vLLM's {want}"
-        prompt = case.get("prompt")
-        if case.get("max_tokens") == 1:
-            continue  # the prefill's token is the whole answer: no decode, no load
-        handoffs += len(prompt) if isinstance(prompt, list) else 1
     time.sleep(1.0)  # the last step's connector stats reach /metrics
+    staged = prefill.metric(SAVED, 0.0) - staged0
     loaded = decode.metric(LOADED, 0.0) - loaded0
-    assert loaded == handoffs, f"{loaded} loads for {handoffs} handed-off prompts"
-    return {"cases_compared": len(cases), "kv_loads": loaded}
+    want_staged, want_loaded = (sum(n[i] for _, _, n in cases) for i in (0, 1))
+    assert (staged, loaded) == (want_staged, want_loaded), (
+        f"staged {staged}, loaded {loaded}; expected {want_staged}, {want_loaded}"
+    )
+    return {"cases_compared": len(cases), "staged": staged, "kv_loads": loaded}

@@ -48,6 +48,13 @@ class LegError(Exception):
         super().__init__(message)
         self.status, self.body = status, body
 
+    def response(self) -> web.Response:
+        """The client's answer: a backend's own 4xx as it came, else our error naming the leg."""
+        if self.body is not None:
+            return web.json_response(self.body, status=self.status)
+        logger.warning("request failed (%d): %s", self.status, self)
+        return web.json_response(error_body(self.status, str(self)), status=self.status)
+
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
@@ -241,6 +248,8 @@ class Proxy:
         first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
         params: dict[str, Any] | None = None
         done = False
+        if scores_the_prompt(body, chat):
+            return await self._decode_alone(request, body, decode_url)
         try:
             started = time.monotonic()
             with self.router.prefills.busy(prefill_url):
@@ -274,13 +283,27 @@ class Proxy:
             done = True
             return web.json_response(first.joined(answer) if first else answer, headers=timing)
         except LegError as exc:
-            if exc.body is not None:
-                return web.json_response(exc.body, status=exc.status)
-            logger.warning("request failed (%d): %s", exc.status, exc)
-            return web.json_response(error_body(exc.status, str(exc)), status=exc.status)
+            return exc.response()
         finally:
             if not done and isinstance(params, dict):
                 self._release(params)
+
+    async def _decode_alone(
+        self, request: web.Request, body: dict[str, Any], decode_url: str
+    ) -> web.StreamResponse:
+        """A plain request to the decode: no handoff."""
+        url = decode_url + request.path
+        try:
+            with self.router.decodes.busy(decode_url):
+                if body.get("stream"):
+                    return (await self._stream(request, url, body, {}, None))[0]
+                timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
+                answer = await self._json(
+                    "decode", decode_url, await self._open("decode", url, body, timeout)
+                )
+            return web.json_response(answer)
+        except LegError as exc:
+            return exc.response()
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
@@ -353,6 +376,14 @@ def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:
 def prefill_ms(timing: str) -> float:
     """The prefill leg's milliseconds in our Server-Timing header."""
     return float(timing.rpartition("dur=")[2] or 0)
+
+
+def scores_the_prompt(body: dict[str, Any], chat: bool) -> bool:
+    """Prompt logprobs (asked for, or implied by echo with logprobs): vLLM computes such a
+    prompt whole to score it, reading no cache, handed-off KV included. A prefill leg would
+    be wasted, so the request goes to a decode alone."""
+    echoed = not chat and body.get("echo") and body.get("logprobs") is not None
+    return body.get("prompt_logprobs") is not None or bool(echoed)
 
 
 def usage_asked(body: dict[str, Any]) -> bool:

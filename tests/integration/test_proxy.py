@@ -636,6 +636,27 @@ async def test_options_spanning_the_first_token_keep_the_decodes_own(
     assert decode.requests[0][1] == {**body, "kv_transfer_params": prefill.params[0]}
 
 
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        ("/v1/completions", {"echo": True, "logprobs": 1}),
+        ("/v1/completions", {"prompt_logprobs": 1}),
+        ("/v1/chat/completions", {"prompt_logprobs": 0}),
+    ],
+    ids=["echo-logprobs", "prompt-logprobs", "chat-prompt-logprobs"],
+)
+async def test_a_request_scoring_its_prompt_goes_to_the_decode_alone(
+    prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]
+) -> None:
+    """vLLM computes a prompt whose logprobs are asked for, reading no cache: handed-off
+    KV would go unused, so there is no prefill leg."""
+    body = {**PROMPT, **extra}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post(path, json=body)
+        assert await resp.json() == decode.answer_for(body)
+    assert prefill.requests == [] and decode.requests[0][1] == body
+
+
 @pytest.mark.parametrize("why", ["--first-token decode", "staged one short"])
 async def test_the_decodes_own_first_token_otherwise(
     prefill: Prefill, decode: Decode, why: str

@@ -736,10 +736,12 @@ class TestShm:
     def test_l_answers_equal_vllm_s(self, shm_cluster: Cluster) -> None:
         c = shm_cluster
         c.ensure(c.prefill, c.decode, c.proxy)
-        prompts = [p for p, _ in c.prompts(3)]
+
+        def fresh(n: int) -> list[str]:
+            return [p for p, _ in c.prompts(n)]
+
         say(
-            "answers",
-            **proxy_clients.check_answers_match_vllm(c.proxy, c.prefill, c.decode, prompts),
+            "answers", **proxy_clients.check_answers_match_vllm(c.proxy, c.prefill, c.decode, fresh)
         )
 
     # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
