@@ -218,11 +218,13 @@ def check_answers_match_vllm(
     the prompt by computing it, reading no cache: the decode alone, nothing staged)."""
     usage = {"stream_options": {"include_usage": True}}
     seeded = {"temperature": 0.9, "seed": 7}
+    continuous = {"continuous_usage_stats": True}
     handoff, prefill_alone, decode_alone = (1, 1), (1, 0), (0, 0)  # (staged, loaded) each
     completions: list[tuple[dict[str, Any], tuple[int, int]]] = [
         ({}, handoff), ({"stream": True}, handoff), ({"stream": True, **usage}, handoff),
         ({"max_tokens": 1}, prefill_alone),
         ({"max_tokens": 1, "stream": True, **usage}, prefill_alone),
+        ({"stream": True, "stream_options": {**usage["stream_options"], **continuous}}, handoff),
         ({"logprobs": 2, "stream": True}, handoff), ({"return_token_ids": True}, handoff),
         ({"echo": True, "logprobs": 1}, decode_alone), ({"stop": ["]"], "stream": True}, handoff),
         (seeded, handoff), ({**seeded, "stream": True}, handoff),

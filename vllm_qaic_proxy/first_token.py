@@ -116,8 +116,10 @@ class FirstToken:
         answer["usage"] = fix_usage(answer.get("usage"))
         return answer
 
-    def events(self, include_usage: bool) -> bytes:
-        """The first token as a streamed event; the whole stream when the prefill finished."""
+    def events(self, options: Any, final_usage: bool = True) -> bytes:
+        """The first token as a streamed event (with the request's ``stream_options``); the
+        whole stream when the prefill finished. ``final_usage``: the usage event at the end
+        is ours to send (the decode sends its own otherwise)."""
         head = {k: self.answer[k] for k in STREAM_HEAD if k in self.answer}
         ended = self.answer["choices"][0] if self.finished else {}
         choice = {
@@ -125,10 +127,14 @@ class FirstToken:
             "finish_reason": ended.get("finish_reason"), "stop_reason": ended.get("stop_reason"),
             "prompt_token_ids": None, "token_ids": None,
         }  # fmt: skip
-        out = [{**head, "choices": [choice]}]
-        if self.finished and include_usage:
-            usage = self.answer.get("usage") or {}
-            counts = {k: v for k, v in usage.items() if v is not None}  # as vLLM streams it
+        options = options if isinstance(options, dict) else {}
+        usage = self.answer.get("usage") or {}
+        counts = {k: v for k, v in usage.items() if v is not None}  # as vLLM streams it
+        chunk = {**head, "choices": [choice]}
+        if options.get("include_usage") and options.get("continuous_usage_stats"):
+            chunk["usage"] = counts  # on every event: here, one token so far
+        out = [chunk]
+        if self.finished and final_usage and options.get("include_usage"):
             out.append({**head, "choices": [], "usage": counts})
         data = b"".join(event(c) for c in out)
         return data + b"data: [DONE]\n\n" if self.finished else data

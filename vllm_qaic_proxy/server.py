@@ -190,7 +190,7 @@ class Proxy:
         try:
             await out.prepare(request)
             if first is not None:
-                await out.write(first.events(include_usage=False))
+                await out.write(first.events(body.get("stream_options"), final_usage=False))
             if first is not None and usage_asked(body):  # its counts need the first token
                 async for line in resp.content:
                     await out.write(first_token.fix_event(line))
@@ -314,7 +314,7 @@ class Proxy:
         out = web.StreamResponse(headers={**timing, "Content-Type": "text/event-stream"})
         with contextlib.suppress(ConnectionResetError):
             await out.prepare(request)
-            await out.write(first.events(include_usage=usage_asked(body)))
+            await out.write(first.events(body.get("stream_options")))
             await out.write_eof()
         return out
 
