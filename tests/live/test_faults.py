@@ -744,6 +744,34 @@ class TestShm:
             "answers", **proxy_clients.check_answers_match_vllm(c.proxy, c.prefill, c.decode, fresh)
         )
 
+    def test_m_a_prompt_list_behind_a_router(self, shm_cluster: Cluster) -> None:
+        """A router sends a client's prompt list as it came: the prefill leg with
+        NixlConnector's params, the decode leg (policy ``fail``) with what the prefill
+        returned, which vLLM makes the first prompt's ticket alone. The first prompt is
+        staged and loaded; the others are neither (their tickets could reach no one) and
+        are computed on the decode: every answer right, no failed load, no 500."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode_fail)
+        pairs = c.prompts(3)
+        body = {**completion_body(""), "prompt": [p for p, _ in pairs]}
+        saved0, loaded0 = c.prefill.metric(SAVED, 0.0), c.decode_fail.metric(LOADED, 0.0)
+        failed0 = c.decode_fail.metric(LOAD_FAILURES, 0.0)
+        prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PARAMS}
+        r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        decode_leg = {**body, "kv_transfer_params": r.json().get("kv_transfer_params")}
+        r = requests.post(f"{c.decode_fail.url}/v1/completions", json=decode_leg, timeout=60)
+        assert r.status_code == 200, r.text[:300]
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        saved = c.prefill.metric(SAVED, 0.0) - saved0
+        loaded = c.decode_fail.metric(LOADED, 0.0) - loaded0
+        failed = c.decode_fail.metric(LOAD_FAILURES, 0.0) - failed0
+        say("prompt list behind a router", staged=saved, loaded=loaded, load_failures=failed)
+        choices = sorted(r.json()["choices"], key=lambda ch: ch["index"])
+        for choice, (_, answer) in zip(choices, pairs, strict=True):
+            assert is_correct({"choices": [choice]}, answer), choice
+        assert (saved, loaded, failed) == (1, 1, 0)
+
     # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
 
     def test_k_llm_d_sidecar_request_sequence(self, shm_cluster: Cluster) -> None:

@@ -14,7 +14,9 @@ from vllm_qaic_connector.kv.kv_groups import (
     staging_gap,
     tokens_to_load,
 )
+from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
+from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.tickets import prompt_hash
@@ -22,6 +24,8 @@ from vllm_qaic_connector.tickets import prompt_hash
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
+
+logger = get_logger(__name__)
 
 
 class DecodeLoads:
@@ -35,6 +39,14 @@ class DecodeLoads:
 
     def claim(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
+        if position := request_ids.later_prompt_of_a_list(request.request_id):
+            # Its params are the first prompt's (vLLM returns no other): computed here.
+            logger.info(
+                "QAICConnector: request %s is prompt %d of a list, whose KV vLLM does not "
+                "hand off (the first prompt's only); computing it here",
+                request.request_id, position,
+            )  # fmt: skip
+            return 0, False
         remote: RemotePrefill | None = None
         error: str | None = None
         prompt = request.prompt_token_ids or []

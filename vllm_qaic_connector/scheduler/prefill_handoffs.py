@@ -6,7 +6,6 @@ chunk, and the ticket when the request finishes (its staging is freed by
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from vllm_qaic_connector.protocol.wire import (
     direct_problem,
     ticket_mac,
 )
+from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.step_metadata import SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
@@ -44,9 +44,16 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# vLLM runs a request with n > 1 as n requests named "<index>_<parent id>"
-# (`parallel_sampling.get_child_info`); a router hands the decode one of their tickets.
-SAMPLING_CHILD = re.compile(r"\d+_")
+
+def _unreturnable(rid: str) -> str | None:
+    if request_ids.sampling_child(rid):
+        return "n > 1 with do_remote_decode is not supported: send n = 1 per request"
+    if position := request_ids.later_prompt_of_a_list(rid):
+        return (
+            f"prompt {position} of a prompt list is not staged: vLLM returns the first "
+            "prompt's kv_transfer_params only (send one prompt per request)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -114,9 +121,10 @@ class PrefillHandoffs:
         asks again next step, other requests go on), each bounded."""
         rid, now = request.request_id, time.monotonic()
         out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
-        if out.target is None and out.error is None and SAMPLING_CHILD.match(rid):
-            out.error = "n > 1 with do_remote_decode is not supported: send n = 1 per request"
-            logger.error("QAICConnector: request %s: %s", rid, out.error)
+        if out.target is None and out.error is None:
+            out.error = _unreturnable(rid)  # its ticket could never reach a decode
+            if out.error:
+                logger.error("QAICConnector: request %s: %s", rid, out.error)
         if out.offset is not None or out.error is not None:
             return 0, False
         if out.target is None:
