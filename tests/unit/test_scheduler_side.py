@@ -645,3 +645,20 @@ def test_a_prefill_preempted_between_chunks_names_itself_to_the_worker_and_stage
         assert staged == set(range(96))
     finally:
         sched.connector.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("request_id", "position"),
+    [
+        ("cmpl-9d3492414fbfbc22-0-a7a6f6fe", None),  # a single prompt: prompt 0
+        ("cmpl-9d3492414fbfbc22-2-a7a6f6fe", 2),
+        ("cmpl-my-id-7-0-a7a6f6fe", None),  # X-Request-Id "my-id-7", one prompt
+        ("cmpl-my-id-7-1-a7a6f6fe", 1),
+        ("chatcmpl-9d3492414fbfbc22-1-a7a6f6fe", None),  # chat has no prompt lists
+        ("cmpl-9d3492414fbfbc22-1", None),  # without the engine's suffix: not vLLM's shape
+    ],
+)
+def test_a_later_prompt_of_a_list_is_read_from_vllm_s_request_id(request_id, position):
+    from vllm_qaic_connector.scheduler.request_ids import later_prompt_of_a_list
+
+    assert later_prompt_of_a_list(request_id) == position
