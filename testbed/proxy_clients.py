@@ -95,7 +95,8 @@ def check_openai_clients(
         assert streamed_chat == chat_text, f"chat streamed {streamed_chat!r} != {chat_text!r}"
         requests_sent += 4
     assert min(chunks_seen) > 1, "the answers came in one chunk: nothing was streamed"
-    # Logprobs and echo are the decode's: they pass through and work.
+    # Echo with logprobs scores the prompt, which vLLM computes whole (no cache read): the
+    # proxy sends it to the decode alone, so the prefill generates nothing for it.
     prompt, answer = prompts[0]
     scored = client.completions.create(
         model="model", prompt=prompt, max_tokens=4, temperature=0.0, logprobs=2, echo=True
@@ -105,7 +106,6 @@ def check_openai_clients(
     assert choice.logprobs is not None and len(choice.logprobs.top_logprobs or []) >= 4
     assert scored.usage is not None
     decoded += scored.usage.completion_tokens
-    requests_sent += 1
     time.sleep(1.0)  # the last step's stats reach /metrics
     prefill_tokens = prefill.metric(GENERATED, 0.0) - generated0
     # One token per request on the prefill, whether max_tokens or max_completion_tokens.
