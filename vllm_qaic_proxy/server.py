@@ -243,31 +243,34 @@ class Proxy:
     async def _handoff(
         self, request: web.Request, body: dict[str, Any], chat: bool
     ) -> web.StreamResponse:
-        """One prompt through a prefill leg and a decode leg."""
+        """One prompt through a prefill leg and a decode leg; the decode leg alone for a
+        request that scores its prompt (vLLM computes it whole, reading no cache)."""
         prefill_url, decode_url = self.router.route()
         first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
         params: dict[str, Any] | None = None
+        first: FirstToken | None = None
+        timing: dict[str, str] = {}
         done = False
-        if scores_the_prompt(body, chat):
-            return await self._decode_alone(request, body, decode_url)
         try:
-            started = time.monotonic()
-            with self.router.prefills.busy(prefill_url):
-                to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
-                if first_from_prefill:
-                    to_prefill["return_token_ids"] = True
-                prefilled = await self._prefill(prefill_url + request.path, to_prefill)
-            # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
-            timing = {"Server-Timing": f"prefill;dur={(time.monotonic() - started) * 1e3:.1f}"}
-            params = prefilled.get("kv_transfer_params")
-            if isinstance(params, dict) and params.get("error"):
-                # The prefill could not hand this request off (e.g. staging full): say so.
-                return web.json_response(
-                    error_body(503, str(params["error"]), "KVHandoffError"), status=503
-                )
-            first = FirstToken.of(prefilled, body) if first_from_prefill else None
-            if first is not None and first.finished:  # the prefill's token was the answer
-                return await self._prefill_only(request, body, first, timing)
+            if not scores_the_prompt(body, chat):
+                started = time.monotonic()
+                with self.router.prefills.busy(prefill_url):
+                    to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
+                    if first_from_prefill:
+                        to_prefill["return_token_ids"] = True
+                    prefilled = await self._prefill(prefill_url + request.path, to_prefill)
+                # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
+                took_ms = (time.monotonic() - started) * 1e3
+                timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
+                params = prefilled.get("kv_transfer_params")
+                if isinstance(params, dict) and params.get("error"):
+                    # The prefill could not hand this request off (e.g. staging full).
+                    return web.json_response(
+                        error_body(503, str(params["error"]), "KVHandoffError"), status=503
+                    )
+                first = FirstToken.of(prefilled, body) if first_from_prefill else None
+                if first is not None and first.finished:  # the prefill's token was the answer
+                    return await self._prefill_only(request, body, first, timing)
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
             else:
@@ -287,23 +290,6 @@ class Proxy:
         finally:
             if not done and isinstance(params, dict):
                 self._release(params)
-
-    async def _decode_alone(
-        self, request: web.Request, body: dict[str, Any], decode_url: str
-    ) -> web.StreamResponse:
-        """A plain request to the decode: no handoff."""
-        url = decode_url + request.path
-        try:
-            with self.router.decodes.busy(decode_url):
-                if body.get("stream"):
-                    return (await self._stream(request, url, body, {}, None))[0]
-                timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
-                answer = await self._json(
-                    "decode", decode_url, await self._open("decode", url, body, timeout)
-                )
-            return web.json_response(answer)
-        except LegError as exc:
-            return exc.response()
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
