@@ -1,4 +1,4 @@
-"""Writes a random-weights model (no training) with its own byte-level BPE tokenizer.
+"""Writes a random-weights model (no training) with its own tokenizer.
 
 Random models meet what the shipped copy model never does: a tokenizer trained here on
 multilingual text (495 tokens: the corpus runs out of merges before VOCAB_SIZE, so many
@@ -9,6 +9,7 @@ float32 rounding: two servers that compute the same KV agree token for token, an
 computes other KV does not.
 
     python scripts/make_random_model.py OUT_DIR [--arch llama|qwen3|gemma3|granite_hybrid]
+        [--tokenizer byte_level|sentencepiece]
 
 - llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
 - qwen3: q/k RMSNorm, 4 KV heads of 64, 3 layers.
@@ -16,6 +17,12 @@ computes other KV does not.
   hybrid (two-group) KV cache.
 - granite_hybrid: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV
   cache group plus a Mamba state group.
+
+Tokenizers, the two families models ship:
+- byte_level: GPT-2's, as Llama 3, Qwen and GPT-NeoX models have it.
+- sentencepiece: as Llama 2, Mistral and Gemma ship it converted to tokenizer.json: words
+  start with "▁", characters outside a small alphabet fall back to byte tokens
+  (``<0xE3>``), the decoder strips the text's first space, and a BOS token is added.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from transformers import (
 )
 
 SPECIAL = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2
+UNK = "<unk>"  # id 3 in a SentencePiece vocabulary
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789;\u2581éöüçßαελρ日本語"  # SentencePiece's
 VOCAB_SIZE = 700
 SHARPEN = 30.0  # output-layer scale: logits' spread ~10 instead of ~0.3
 # Scripts whose characters take 1-4 UTF-8 bytes: a small vocabulary merges only some of
@@ -53,10 +62,13 @@ TEXT = (
 WORDS = TEXT.split(" ")
 
 
-def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer (GPT-2 style), trained on random sentences of WORDS."""
+def corpus(seed: int) -> list[str]:
     rng = random.Random(seed)
-    corpus = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(3000)]
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) for _ in range(3000)]
+
+
+def byte_level(vocab_size: int, seed: int) -> Tokenizer:
+    """A byte-level BPE tokenizer (GPT-2 style)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -66,7 +78,50 @@ def train_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, seed: int = 0) -> T
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus, trainer)
+    tok.train_from_iterator(corpus(seed), trainer)
+    return tok
+
+
+def sentencepiece(vocab_size: int, seed: int) -> Tokenizer:
+    """A SentencePiece-style BPE tokenizer with byte fallback, as Llama 2's tokenizer.json."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token=UNK, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[*SPECIAL, UNK],
+        initial_alphabet=list(ALPHABET),
+        limit_alphabet=len(ALPHABET),  # the rest of the text falls back to bytes
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed), trainer)
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for byte in range(256):  # plain tokens, as SentencePiece's byte pieces are
+        vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+    ]}  # fmt: skip
+    bos = {"SpecialToken": {"id": SPECIAL[1], "type_id": 0}}
+    a, b = ({"Sequence": {"id": s, "type_id": i}} for i, s in enumerate("AB"))
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, a],
+        "pair": [bos, a, b],
+        "special_tokens": {SPECIAL[1]: {"id": SPECIAL[1], "ids": [1], "tokens": [SPECIAL[1]]}},
+    }
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+TOKENIZERS = {"byte_level": byte_level, "sentencepiece": sentencepiece}
+
+
+def train_tokenizer(
+    out: Path, family: str = "byte_level", vocab_size: int = VOCAB_SIZE, seed: int = 0
+) -> Tokenizer:
+    """A tokenizer of ``family``, trained on random sentences of WORDS, saved in ``out``."""
+    tok = TOKENIZERS[family](vocab_size, seed)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {
@@ -146,9 +201,11 @@ def granite_hybrid(vocab: int) -> PreTrainedModel:
 ARCHS = {"llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid}
 
 
-def main(out: Path, arch: str = "llama", sharpen: float = SHARPEN) -> None:
+def main(
+    out: Path, arch: str = "llama", sharpen: float = SHARPEN, tokenizer: str = "byte_level"
+) -> None:
     torch.manual_seed(0)
-    tok = train_tokenizer(out)
+    tok = train_tokenizer(out, tokenizer)
     model = ARCHS[arch](tok.get_vocab_size())
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
@@ -160,5 +217,6 @@ if __name__ == "__main__":
     parser.add_argument("out", type=Path, help="output directory")
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     parser.add_argument("--sharpen", type=float, default=SHARPEN, help="output-layer scale")
+    parser.add_argument("--tokenizer", choices=sorted(TOKENIZERS), default="byte_level")
     args = parser.parse_args()
-    main(args.out, args.arch, args.sharpen)
+    main(args.out, args.arch, args.sharpen, args.tokenizer)

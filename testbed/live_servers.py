@@ -173,11 +173,15 @@ def copy_prompts(n: int, seed: str | int = 0, tokens: int | None = None) -> list
     return [copy_task.make_example(rng, prompt_tokens=tokens) for _ in range(n)]
 
 
-def random_model(tmp_path_factory: pytest.TempPathFactory, arch: str) -> Path:
-    """A random-weights model of ``arch`` (scripts/make_random_model.py) in a fresh dir."""
+def random_model(
+    tmp_path_factory: pytest.TempPathFactory, arch: str, tokenizer: str = "byte_level"
+) -> Path:
+    """A random-weights model of ``arch`` with a ``tokenizer`` of that family
+    (scripts/make_random_model.py), in a fresh dir."""
     model = tmp_path_factory.mktemp("models") / f"random-{arch}"
     script = str(ROOT / "scripts" / "make_random_model.py")
-    subprocess.run([str(PY), script, str(model), "--arch", arch], check=True)
+    cmd = [str(PY), script, str(model), "--arch", arch, "--tokenizer", tokenizer]
+    subprocess.run(cmd, check=True)
     return model
 
 

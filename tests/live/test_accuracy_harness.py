@@ -128,8 +128,9 @@ def test_unsupported_combination_exits_with_one_line_reason():
     assert rc != 0 and "unsupported:" in out
 
 
-# Random models with their own byte-level BPE tokenizers (scripts/make_random_model.py):
-# generated tokens are often not whole UTF-8 text, and special tokens come up. Two prefills
+# Random models with their own tokenizers (scripts/make_random_model.py), byte-level BPE or,
+# as Gemma ships it, SentencePiece-style with byte pieces: generated tokens are often not
+# whole UTF-8 text, and special tokens come up. Two prefills
 # (blocks 128 and 32) x two decodes (32 and 128): the proxy's pairs give 128 -> 32,
 # 128 -> 128, 32 -> 32 and 32 -> 128 in one run, with the proxy's defaults (the first token
 # from the prefill where that is exact). float32, so that only other KV can part answers.
@@ -140,18 +141,20 @@ MIXED_BLOCKS = {
 
 
 @pytest.mark.parametrize(
-    ("arch", "env"),
+    ("arch", "tokenizer", "env"),
     [
-        ("llama", {}),  # grouped-query attention
+        ("llama", "byte_level", {}),  # grouped-query attention
         # q/k-norm; over NIXL, each decode converts from the prefill's own format.
-        ("qwen3", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode"}),
+        ("qwen3", "byte_level", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode"}),
         # Sliding window + full attention: two KV cache groups (HMA on).
-        ("gemma3", {"LONE_GAPS": "0"}),
+        ("gemma3", "sentencepiece", {"LONE_GAPS": "0"}),
     ],
-    ids=["llama-gqa-shm", "qwen3-nixl-decode-converts", "gemma3-hybrid-shm"],
+    ids=["llama-gqa-shm", "qwen3-nixl-decode-converts", "gemma3-hybrid-sentencepiece-shm"],
 )
-def test_random_models_with_their_own_tokenizers_agree_token_for_token(tmp_path_factory, arch, env):
-    model = random_model(tmp_path_factory, arch)
+def test_random_models_with_their_own_tokenizers_agree_token_for_token(
+    tmp_path_factory, arch, tokenizer, env
+):
+    model = random_model(tmp_path_factory, arch, tokenizer)
     rc, out = harness_leaves_nothing(MODEL=str(model), **MIXED_BLOCKS, **env)
     m = last_line(out)
     assert rc == 0, "harness gates failed"

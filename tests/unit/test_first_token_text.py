@@ -4,8 +4,9 @@ token for token, as vLLM's own detokenizer writes both.
 vLLM detokenizes incrementally (`FastIncrementalDetokenizer`, a tokenizers `DecodeStream`
 primed with the prompt). A decode whose prompt is the prompt plus the prefill's token
 primes its stream differently from an aggregated server that generated that token, and
-where the token is not whole UTF-8 text the two texts part. Here a byte-level BPE tokenizer
-trained like the random models' (many tokens split characters) and vLLM's detokenizer play
+where the token is not whole UTF-8 text the two texts part. Here tokenizers trained like the
+random models' (byte-level BPE, whose tokens often split characters, and SentencePiece-style,
+with byte pieces and a decoder that strips the text's first space) and vLLM's detokenizer play
 the three servers: aggregated, prefill (one token) and decode (the rest), and the proxy's
 `FirstToken` joins the last two, or declines and leaves the first token to the decode.
 """
@@ -33,10 +34,10 @@ from make_random_model import SPECIAL, train_tokenizer  # noqa: E402
 EOS = SPECIAL.index("<eos>")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tmp_path_factory.mktemp("byte-bpe")
-    train_tokenizer(path)
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece"])
+def tokenizer(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Any:
+    path = tmp_path_factory.mktemp(request.param)
+    train_tokenizer(path, request.param)
     return get_tokenizer(str(path))
 
 
