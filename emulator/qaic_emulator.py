@@ -53,6 +53,7 @@ from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, to
 from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_connector.worker.model_weights import checkpoint_fingerprint, kv_settings
 
 logger = init_logger(__name__)
 T = TypeVar("T")
@@ -150,9 +151,10 @@ class Emulator:
             dtype=cfg.dtype,
             num_layers=layers,
             model=model,
-            compat_hash=compat_hash(model, cfg.dtype, layers, heads, head_dim),
+            compat_hash=compat_hash(cfg.dtype, layers, heads, head_dim),
             endpoint=self.reader.endpoint(),  # over NIXL: the agent holding the slot buffers
             incarnation=incarnation,
+            weights=checkpoint_fingerprint(Path(cfg.model), kv_settings(None, mc)),
         )
         self.peers = PeerDirectory(cfg.engine_id, key, timeout_s=10.0)
         self.peers.ours = self.rank  # refuse prefills whose KV we cannot use

@@ -185,6 +185,22 @@ def random_model(
     return model
 
 
+def model_copy(dest: Path, other_kv: bool = False) -> Path:
+    """The shipped model copied to ``dest``. ``other_kv``: its V and output projections
+    negated, so the model computes the same answers from other V (as two fine-tunes of one
+    base differ): KV shared with the original turns every answer wrong."""
+    shutil.copytree(MODEL_DIR, dest)
+    if other_kv:
+        from safetensors.torch import load_file, save_file
+
+        weights = dest / "model.safetensors"
+        tensors = load_file(weights)
+        for name in [n for n in tensors if ".v_proj." in n or ".o_proj." in n]:
+            tensors[name] = -tensors[name]
+        save_file(tensors, weights, metadata={"format": "pt"})
+    return dest
+
+
 def is_correct(body: dict[str, Any], answer: str) -> bool:
     try:
         text = body["choices"][0]["text"]

@@ -69,7 +69,7 @@ class FakePrefill:
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
             self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, TINY.dtype, L, TINY.name,
-            compat_hash(TINY.name, TINY.dtype, L, H, D), self.transport.endpoint(),
+            compat_hash(TINY.dtype, L, H, D), self.transport.endpoint(),
             self.incarnation,
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])

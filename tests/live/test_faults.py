@@ -49,6 +49,7 @@ from testbed.live_servers import (
     hostile_variants,
     is_correct,
     kv_config,
+    model_copy,
     outcome,
     poll_until,
     stage,
@@ -56,6 +57,7 @@ from testbed.live_servers import (
     token_ids,
     wait_all_ready,
 )
+from testbed.model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.tickets import prompt_hash
 
@@ -771,6 +773,47 @@ class TestShm:
         for choice, (_, answer) in zip(choices, pairs, strict=True):
             assert is_correct({"choices": [choice]}, answer), choice
         assert (saved, loaded, failed) == (1, 1, 0)
+
+    def test_n_a_decode_serving_other_weights_is_refused_by_its_weights_not_its_name(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """Two decodes behind a router, beside the cluster's prefill (the shipped model):
+        one serves a copy with other weights in a folder of the same name (a rolling
+        upgrade), one the same weights from a folder of another name (a hub id here, a
+        local copy there). The first refuses the prefill's KV and recomputes; the second
+        loads it. Before the handshake compared weights, the first loaded it and all 8
+        answers were wrong (HTTP 200), and the second refused it."""
+        c = shm_cluster
+        c.ensure(c.prefill)
+        upgraded = model_copy(c.run.dir / "v2" / MODEL_DIR.name, other_kv=True)
+        renamed = model_copy(c.run.dir / "local-copy-of-the-model")
+
+        def decode(name: str, model: Path) -> VllmServer:
+            kv = kv_config("kv_consumer", c.run.engine_id(name), free_port(), "shm")
+            return c.run.vllm(name, "1", kv, model=model)
+
+        decodes = {"upgraded": decode("upgraded", upgraded), "renamed": decode("renamed", renamed)}
+        wait_all_ready(*decodes.values())
+        try:
+            for name, d in decodes.items():
+                pairs = c.prompts(4)
+                for prompt, answer in pairs:
+                    prefill_leg = completion_body(prompt, 1, ROUTER_PARAMS)
+                    r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg)
+                    ticket = r.json()["kv_transfer_params"]
+                    decode_leg = completion_body(prompt, params=ticket)
+                    r = requests.post(f"{d.url}/v1/completions", json=decode_leg, timeout=60)
+                    assert r.status_code == 200 and is_correct(r.json(), answer), r.text[:300]
+                time.sleep(1.0)  # the last step's connector stats reach /metrics
+                loaded, failed = d.metric(LOADED, 0.0), d.metric(LOAD_FAILURES, 0.0)
+                say(f"a decode of the model {name}", loaded=loaded, load_failures=failed)
+                assert (loaded, failed) == ((0, 4) if name == "upgraded" else (4, 0))
+            refusal = "computes KV with other weights: ours='tiny-copy'"
+            assert refusal in decodes["upgraded"].log_path.read_text(errors="replace")
+        finally:
+            for d in decodes.values():
+                d.kill(signal.SIGTERM)
+                d.wait_gone(15)
 
     # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
 

@@ -48,7 +48,6 @@ def test_garbage_is_a_clear_error():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("model", "other"),
         ("dtype", "bfloat16"),
         ("head_size", 64),
         ("num_layers", 3),
@@ -58,6 +57,23 @@ def test_garbage_is_a_clear_error():
 def test_incompatible_peer_names_the_field(field, value):
     problem = incompatibility(rank_meta(), rank_meta(**{field: value}))
     assert problem is not None and f"differs in {field}" in problem
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "shared"),
+    [
+        (("tiny", "aa"), ("tiny-local-copy", "aa"), True),  # one checkpoint, two paths
+        (("tiny", "aa"), ("tiny", "bb"), False),  # other weights under the same name
+        (("tiny", "aa"), ("tiny", ""), True),  # no fingerprint there: the names decide
+        (("tiny", "aa"), ("other", ""), False),
+    ],
+)
+def test_peers_share_kv_when_their_weights_agree_whatever_their_names(ours, theirs, shared):
+    mine = rank_meta(model=ours[0], weights=ours[1])
+    problem = incompatibility(mine, rank_meta(model=theirs[0], weights=theirs[1]))
+    assert (problem is None) == shared, problem
+    if not shared:
+        assert "other weights" in problem and repr(theirs[0]) in problem
 
 
 def test_negotiated_fields_stay_out_of_the_hash():

@@ -35,7 +35,7 @@ _POSITIVE = ("block_size", "num_blocks", "head_size", "num_kv_heads", "num_layer
 # Engine-wide facts: every rank of one engine must state the same.
 _AGREED = (
     "engine_id", "tp_size", "layout_kind", "block_size", "num_layers", "num_kv_heads",
-    "head_size", "dtype", "model", "compat_hash",
+    "head_size", "dtype", "model", "weights", "compat_hash",
 )  # fmt: skip
 ENDPOINT_KINDS = ("shm", "nixl")
 # Both go into segment and agent names: no "/", no NUL, bounded; vLLM's default is a uuid4.

@@ -98,19 +98,19 @@ class RankMetadata(msgspec.Struct, frozen=True):
     head_size: int
     dtype: str
     num_layers: int
-    model: str
+    model: str  # its name, for messages: the weights fingerprint tells models apart
     compat_hash: str
     endpoint: TransportEndpoint
     incarnation: str = ""  # fresh at every engine start; tickets name it
     cache: SharedCache | None = None  # where decodes may read our KV cache directly
     host: str = ""  # set where this rank reads peers' caches directly: `host_identity()`
+    weights: str = ""  # the checkpoint's fingerprint; "": unknown, the names must match
 
 
-COMPAT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_size")
+COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_size")
 
 
 def compat_hash(
-    model: str,
     dtype: str,
     num_layers: int,
     num_kv_heads: int,
@@ -120,7 +120,7 @@ def compat_hash(
 ) -> str:
     """``windows``: each layer's sliding window, for hybrid models (empty: all full);
     ``states``: each Mamba layer's state shapes and TP split (``RecurrentState.signature``)."""
-    text = f"{model}|{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
+    text = f"{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
     if any(windows):
         text += f"|{','.join(map(str, windows))}"
     if states:
@@ -130,6 +130,14 @@ def compat_hash(
 
 def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     """Names the first field that makes two engines unable to share KV, or None."""
+    known = bool(mine.weights and theirs.weights)  # else a name is all there is
+    if (mine.weights, mine.model)[not known] != (theirs.weights, theirs.model)[not known]:
+        return (
+            f"peer {theirs.engine_id!r} computes KV with other weights: ours={mine.model!r} "
+            f"({mine.weights or 'no fingerprint'}) theirs={theirs.model!r} "
+            f"({theirs.weights or 'no fingerprint'}); the same checkpoint, quantization "
+            "and RoPE settings are needed on both sides"
+        )
     for field in COMPAT_FIELDS:
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:

@@ -3,6 +3,7 @@ vLLM registered with it, and what its handshake tells peers about both."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,11 +12,17 @@ from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_spec, layer_grou
 from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.kv.layout_probe import resolved_layout, verify_vllm_cpu_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
+from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
     SharedCache,
     TransportEndpoint,
     compat_hash,
+)
+from vllm_qaic_connector.worker.model_weights import (
+    checkpoint_fingerprint,
+    checkpoint_folder,
+    kv_settings,
 )
 from vllm_qaic_connector.worker.this_rank import LocalCache, RankIdentity
 
@@ -23,7 +30,25 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+logger = get_logger(__name__)
 SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
+
+
+def weights_fingerprint(vllm_config: VllmConfig) -> str:
+    """The fingerprint of the checkpoint this engine loaded (model_weights.py); "" for
+    dummy weights or a checkpoint not on this host."""
+    model_cfg, load = vllm_config.model_config, vllm_config.load_config
+    folder = checkpoint_folder(str(model_cfg.model), model_cfg.revision, load.download_dir)
+    if folder is None or load.load_format == "dummy":
+        return ""
+    started = time.monotonic()
+    settings = kv_settings(model_cfg.quantization, model_cfg.hf_text_config)
+    fingerprint = checkpoint_fingerprint(folder, settings)
+    logger.info(
+        "QAICConnector: weights fingerprint %s of %s (%.0f ms)",
+        fingerprint or "(no weights files)", folder, 1e3 * (time.monotonic() - started),
+    )  # fmt: skip
+    return fingerprint
 
 
 def rank_of(
@@ -43,6 +68,7 @@ def rank_of(
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         total_kv_heads=model_cfg.get_total_num_kv_heads(),
         model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
+        weights=weights_fingerprint(vllm_config),
         produces=bool(ktc.is_kv_producer),
         ssm_groups=next(
             (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
@@ -138,9 +164,8 @@ def rank_metadata(
         dtype=dtype,
         num_layers=len(tensors),
         model=identity.model,
-        compat_hash=compat_hash(
-            identity.model, dtype, len(tensors), total_heads, geo.head_size, windows, states
-        ),
+        weights=identity.weights,
+        compat_hash=compat_hash(dtype, len(tensors), total_heads, geo.head_size, windows, states),
         endpoint=endpoint,
         incarnation=incarnation,
         cache=shared,

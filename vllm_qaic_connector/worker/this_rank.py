@@ -22,6 +22,7 @@ class RankIdentity:
     tp_size: int
     total_kv_heads: int
     model: str
+    weights: str = ""  # model_weights.checkpoint_fingerprint ("": none on this host)
     produces: bool = True  # stages KV for others (kv_producer, kv_both)
     ssm_groups: int | None = None  # Mamba2's B/C groups in the model (None: unknown)
 

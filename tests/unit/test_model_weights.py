@@ -1,0 +1,94 @@
+"""The weights fingerprint peers compare: one checkpoint has one wherever it lies (a folder
+of any name, the hub cache's snapshot), and other weights of the same shapes have another."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from testbed.live_servers import model_copy
+from testbed.model import MODEL_DIR
+from vllm_qaic_connector.worker.model_weights import (
+    checkpoint_fingerprint,
+    checkpoint_folder,
+    kv_settings,
+    sample_offsets,
+)
+
+SETTINGS = kv_settings(None, SimpleNamespace(rope_theta=10000.0))  # no quantization, plain RoPE
+
+
+def fingerprint(folder: Path, settings: str = SETTINGS) -> str:
+    return checkpoint_fingerprint(folder, settings)
+
+
+def test_one_checkpoint_in_two_folders_of_other_names_has_one_fingerprint(tmp_path):
+    here = fingerprint(MODEL_DIR)
+    assert len(here) == 16
+    assert fingerprint(model_copy(tmp_path / "local-copy")) == here
+
+
+def test_a_hub_id_finds_the_hub_cache_s_snapshot_and_the_same_fingerprint(tmp_path):
+    """The hub cache's layout as huggingface_hub writes it; read with no network."""
+    repo = tmp_path / "models--org--tiny-copy"
+    shutil.copytree(MODEL_DIR, repo / "snapshots" / ("c0ffee" * 6 + "c0ff"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee" * 6 + "c0ff")
+    folder = checkpoint_folder("org/tiny-copy", None, str(tmp_path))
+    assert folder is not None and fingerprint(folder) == fingerprint(MODEL_DIR)
+    assert checkpoint_folder("org/not-downloaded", None, str(tmp_path)) is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["same function, other V", "one tensor fine-tuned", "bfloat16", "quantization setting"],
+)
+def test_other_weights_of_the_same_shapes_have_another_fingerprint(tmp_path, change):
+    if change == "same function, other V":
+        folder = model_copy(tmp_path / MODEL_DIR.name, other_kv=True)
+    else:
+        folder = model_copy(tmp_path / MODEL_DIR.name)
+        weights = folder / "model.safetensors"
+        tensors = load_file(weights)
+        if change == "one tensor fine-tuned":
+            name = "model.layers.1.self_attn.k_proj.weight"
+            tensors[name] = tensors[name] * 1.001
+        elif change == "bfloat16":
+            tensors = {k: v.to(torch.bfloat16) for k, v in tensors.items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    settings = (
+        kv_settings("fp8", SimpleNamespace(rope_theta=10000.0))
+        if change == "quantization setting"
+        else SETTINGS
+    )
+    assert fingerprint(folder, settings) != fingerprint(MODEL_DIR)
+
+
+def test_kv_settings_read_rope_as_the_config_spells_it():
+    plain = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    same = SimpleNamespace(rope_parameters={"rope_theta": 1e4, "rope_type": "default"})
+    scaled = SimpleNamespace(rope_parameters={"rope_type": "yarn", "factor": 4.0})
+    assert kv_settings(None, plain) == kv_settings(None, same) != kv_settings(None, scaled)
+
+
+def test_other_weights_files_are_sampled_and_a_folder_without_any_has_none(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert fingerprint(tmp_path) == ""  # vLLM's dummy weights, a remote loader
+    data = bytearray(range(256)) * 512  # 128 KiB: the 64 samples of 4 KiB cover it
+    (tmp_path / "pytorch_model.bin").write_bytes(bytes(data))
+    first = fingerprint(tmp_path)
+    data[70_000] ^= 1
+    (tmp_path / "pytorch_model.bin").write_bytes(bytes(data))
+    assert first and fingerprint(tmp_path) != first
+
+
+def test_samples_spread_over_the_range_and_stay_inside_it():
+    assert sample_offsets(100, 1100, 3, 64) == [100, 568, 1036]
+    assert sample_offsets(0, 10, 3, 64) == [0]  # shorter than a sample: one read
+    spread = sample_offsets(0, 1 << 30, 64, 4096)
+    assert len(spread) == 64 and spread[-1] == (1 << 30) - 4096

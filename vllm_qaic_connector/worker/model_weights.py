@@ -1,0 +1,94 @@
+"""Which weights compute this engine's KV, as a fingerprint its handshake carries.
+
+Peers may share KV only if the same weights computed it. A model's name cannot say so: a
+rolling upgrade replaces the weights under the same path (and, measured, the decode then
+answered every prompt wrongly, with HTTP 200), while two hosts often load one checkpoint
+from different paths (a local folder here, a hub id there). So the fingerprint reads the
+checkpoint's files, not the loaded parameters: a rank holds only its TP shard, and peers'
+TP sizes may differ.
+
+What it reads: for a safetensors file, each tensor's name, dtype and shape and 64 bytes at
+its start, middle and end; for any other weights file, its size and 4 KiB at 64 places.
+That is three small reads per tensor, milliseconds from the page cache. A fine-tune, a
+merged adapter or a re-quantized checkpoint rewrites every tensor it touches; a change
+that spares every sampled byte is missed. The model's quantization and RoPE settings (which
+``hf_overrides`` can change) are part of it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+from typing import Any, BinaryIO
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TENSOR_SAMPLE = 64  # bytes at each of a tensor's start, middle and end
+FILE_SAMPLES, FILE_SAMPLE = 64, 4096  # for files that are not safetensors
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")  # HF config spellings
+
+
+def kv_settings(quantization: str | None, hf_config: Any) -> str:
+    """What besides the files changes the KV: the quantization, and RoPE (which
+    ``hf_overrides`` can change)."""
+    rope = {k: getattr(hf_config, k, None) for k in ROPE_KEYS}
+    return json.dumps([quantization, rope], sort_keys=True, default=str)
+
+
+def sample_offsets(start: int, end: int, count: int, size: int) -> list[int]:
+    """``count`` offsets of ``size``-byte reads spread evenly over ``[start, end)``."""
+    last = max(start, end - size)
+    return sorted({start + (last - start) * i // max(1, count - 1) for i in range(count)})
+
+
+def _safetensors(f: BinaryIO, digest: hashlib._Hash) -> None:
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(header_len))
+    for name in sorted(k for k in header if k != "__metadata__"):
+        tensor = header[name]
+        digest.update(f"{name}|{tensor['dtype']}|{tensor['shape']}".encode())
+        start, end = tensor["data_offsets"]
+        for at in sample_offsets(start, end, 3, TENSOR_SAMPLE):
+            f.seek(8 + header_len + at)
+            digest.update(f.read(min(TENSOR_SAMPLE, end - at)))
+
+
+def _any_file(f: BinaryIO, size: int, digest: hashlib._Hash) -> None:
+    digest.update(str(size).encode())
+    for at in sample_offsets(0, size, FILE_SAMPLES, FILE_SAMPLE):
+        f.seek(at)
+        digest.update(f.read(FILE_SAMPLE))
+
+
+def checkpoint_fingerprint(folder: Path, settings: str) -> str:
+    """The fingerprint of the weights files in ``folder`` and ``settings``; "" where the
+    folder holds none (peers then compare the model's name)."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        return ""
+    digest = hashlib.sha256(settings.encode())
+    safetensors = [p for p in files if p.suffix == ".safetensors"]
+    for path in safetensors or files:  # vLLM loads safetensors where there are any
+        with path.open("rb") as f:
+            if path.suffix == ".safetensors":
+                _safetensors(f, digest)
+            else:
+                _any_file(f, path.stat().st_size, digest)
+    return digest.hexdigest()[:16]
+
+
+def checkpoint_folder(model: str, revision: str | None, download_dir: str | None) -> Path | None:
+    """Where vLLM loaded ``model`` from on this host: its folder, or the hub cache's
+    snapshot; None where neither is here (another loader, ModelScope)."""
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        path = snapshot_download(
+            model, revision=revision, cache_dir=download_dir, local_files_only=True
+        )
+    except Exception:  # not in the hub cache: no fingerprint, not an error
+        return None
+    return Path(path)
