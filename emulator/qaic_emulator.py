@@ -24,9 +24,12 @@ from typing import Any, TypeVar
 
 import torch
 from aiohttp import web
-from tokenizers.decoders import DecodeStream
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.tokenizers import get_tokenizer
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.protocol import side_channel
@@ -115,7 +118,7 @@ class Emulator:
     def __init__(self, cfg: EmulatorConfig, key: bytes | None = None) -> None:
         self.cfg, self.key = cfg, key
         dtype = torch_dtype(cfg.dtype)
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+        self.tokenizer = get_tokenizer(cfg.model)  # as vLLM tokenizes prompts
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype).eval()
         mc = self.model.config
         heads, layers = mc.num_key_value_heads, mc.num_hidden_layers
@@ -271,12 +274,15 @@ class Emulator:
         return out, "length"
 
     def _detokenize(self, prompt_ids: list[int], out: list[int]) -> str:
-        # Exactly vLLM's FastIncrementalDetokenizer: a DecodeStream primed with the prompt
-        # (hence the leading space), special tokens skipped, the stop token left out.
-        stream = DecodeStream(ids=prompt_ids, skip_special_tokens=True)
-        tok = self.tokenizer.backend_tokenizer
-        ids = out[:-1] if out and out[-1] in self.eos_ids else out
-        return "".join(stream.step(tok, t) or "" for t in ids)
+        # vLLM's own detokenizer, as a vLLM decode writes the text: primed with the
+        # prompt's end, special tokens skipped, the stop token left out. (A DecodeStream of
+        # our own failed on a SentencePiece tokenizer's byte pieces, where vLLM's restarts.)
+        params = SamplingParams(max_tokens=max(1, len(out)))
+        request = EngineCoreRequest("qaic", prompt_ids, None, params, None, 0.0, None, None, None)
+        detokenizer = IncrementalDetokenizer.from_new_request(self.tokenizer, request)
+        for t in out:
+            detokenizer.update([t], stop_terminated=t in self.eos_ids)
+        return detokenizer.get_next_output_text(finished=True, delta=False)
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
         """One prompt, as text or token ids; greedy, not streamed."""

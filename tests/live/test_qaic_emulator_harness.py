@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 
-from testbed.live_servers import harness, last_line
+from testbed.live_servers import harness, last_line, random_model
+from testbed.model import MODEL_DIR
 from testbed.shm import segments
 
 
@@ -28,18 +30,25 @@ DESCRIPTORS = re.compile(r"programs=(\d+) NIXL descriptors per handoff=(\d+)")
 
 
 @pytest.mark.parametrize(
-    ("transport", "programs"), [("shm", "1"), ("nixl", "2")], ids=["shm", "nixl-layer-split"]
+    ("transport", "programs", "arch"),
+    [("shm", "1", None), ("nixl", "2", "qwen3")],
+    ids=["shm", "nixl-layer-split-random-qwen3-sentencepiece"],
 )
-def test_vllm_prefill_to_qaic_emulator(transport, programs):
+def test_vllm_prefill_to_qaic_emulator(tmp_path_factory, transport, programs, arch):
+    """The shipped model (whose answers are known), and a random Qwen3 with a
+    SentencePiece-style tokenizer (4 KV heads of 64, 3 layers, byte pieces: its answers
+    must agree with the aggregated server's token for token)."""
+    model = random_model(tmp_path_factory, arch, "sentencepiece") if arch else MODEL_DIR
     # 8 slots for 16 requests in flight: slots must be waited for, freed and reused.
     rc, out = harness(
         DECODE_TARGET="qaic", NUM_PROMPTS="16", CONCURRENCY="16", QAIC_SLOTS="8",
-        KV_CACHE_PREFIX="P0", KV_TRANSPORT=transport, QAIC_PROGRAMS=programs,
+        KV_CACHE_PREFIX="P0", KV_TRANSPORT=transport, QAIC_PROGRAMS=programs, MODEL=str(model),
+        **({"DTYPE": "float32"} if arch else {}),  # float32: only other KV parts answers
     )  # fmt: skip
     m = last_line(out)
     assert rc == 0, "harness gates failed"
     acc, agg, agreement = float(m.group(1)), float(m.group(2)), float(m.group(3))
-    assert acc >= 0.95 and acc == agg and agreement >= 99.0
+    assert agreement == 100.0 and (arch or (acc >= 0.95 and acc == agg))
     assert m.group(4) == "16" and m.group(5) == transport
     slots = SLOTS.search(out)
     assert slots, "no slot report"
@@ -48,8 +57,10 @@ def test_vllm_prefill_to_qaic_emulator(transport, programs):
     assert "host copies per handoff: 1.00" in out
     descriptors = DESCRIPTORS.search(out)
     assert descriptors and descriptors.group(1) == programs
-    # Over NIXL, one READ descriptor per (layer, K|V, head) lands in the slot: 2 * 2 * 2.
-    assert int(descriptors.group(2)) == (8 if transport == "nixl" else 0)
+    # Over NIXL, one READ descriptor per (layer, K|V, KV head) lands in the slot.
+    cfg = json.loads((model / "config.json").read_text())
+    reads = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"]
+    assert int(descriptors.group(2)) == (reads if transport == "nixl" else 0)
     assert _run_leftovers(out) == []
 
 
