@@ -57,11 +57,7 @@ from vllm_qaic_connector.tickets import (
     new_incarnation,
 )
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
-from vllm_qaic_connector.worker.direct_reads import (
-    DirectReader,
-    cache_endpoint,
-    plan_cache_reads,
-)
+from vllm_qaic_connector.worker.direct_reads import DirectReader, cache_endpoint, plan_cache_reads
 
 KV = tuple[torch.Tensor, torch.Tensor]
 Cache = tuple[list[KV], list[int]]  # canonical views of each layer, the request's block ids
@@ -130,8 +126,7 @@ def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -
     """(views, shuffled block ids) of a cache of exactly ``n`` tokens' blocks; ``fill``:
     random bytes, each layer different."""
     layers, blocks = layers_of(shape, fmt, n, gen, fill)
-    geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
-    return [layout.kv_views(t, geo) for t in layers], blocks
+    return [get_layout(fmt[0]).kv_views(t, shape.geo(fmt, n)) for t in layers], blocks
 
 
 def layers_of(
@@ -159,12 +154,6 @@ def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
     return [stack.enter_context(closing(create_transport(kind, n, size, 60.0))) for n in names]
 
 
-def copies(stack: ExitStack) -> CopyPool:
-    pool = CopyPool()
-    stack.callback(pool.close)
-    return pool
-
-
 def slot_target(shape: Shape, n: int, stack: ExitStack) -> SlotTarget:
     """A QAIC decode's KV buffers in shm: two slots of ``n`` tokens."""
     dims, dtype = (2, shape.heads, n, shape.head_dim), str(shape.dtype).removeprefix("torch.")
@@ -189,7 +178,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     peer, headers = owner.endpoint(), RegionHeaders(owner.staging)
     staged_blocks = list(range(blocks_for_tokens(n, fmt.geometry.block_size)))
     notify = b"ack" if reader.delivers_notifications else None
-    pool = copies(stack)  # the worker's second copy thread
+    pool = stack.enter_context(closing(CopyPool()))  # the worker's second copy thread
 
     def save() -> None:
         owner.poll_notifications()  # the prefill takes the decode's acknowledgements
@@ -205,8 +194,8 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             target.write_slot_from_blocks(slot, views, staged_blocks, n)
 
         if path.pull:
-            puller = SlotPuller(target, reader)  # type: ignore[arg-type]  # a NixlTransport
-            stack.callback(puller.close)
+            # the reader is a NixlTransport on this path
+            puller = stack.enter_context(closing(SlotPuller(target, reader)))  # type: ignore[arg-type]
             pull = lambda: puller.pull(slot, peer, 0, fmt.geometry, n, GENERATION, notify)  # noqa: E731
             return Case(save, pull, (src, src_blocks), (dst, dst_blocks))
     else:
@@ -229,24 +218,22 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     geo, layout = shape.geo(path.prefill, n), get_layout(path.prefill[0])
     prefill_layers, src_blocks = layers_of(shape, path.prefill, n, gen, fill=True)
     decode_layers, dst_blocks = layers_of(shape, path.decode, n, gen, fill=False)
-    ours = shape.geo(path.decode, n)
-    dst = [get_layout(path.decode[0]).kv_views(t, ours) for t in decode_layers]
+    dst = [get_layout(path.decode[0]).kv_views(t, shape.geo(path.decode, n)) for t in decode_layers]
     owner, reader = transports(path.transport, HEADER_BYTES, stack)
     headers = RegionHeaders(owner.staging)
     shared = owner.share_kv_cache(prefill_layers, produces=True)
     assert shared is not None
     if not shared.mapped:
-        cache = shared
         assert reader.share_kv_cache(decode_layers, produces=False)
-        region = cache_endpoint(owner.endpoint(), cache)  # its metadata covers the cache
+        region = cache_endpoint(owner.endpoint(), shared)  # its metadata covers the cache
 
         def move() -> None:
             blocks = (src_blocks, dst_blocks)
-            reader.read_into(region, plan_cache_reads(cache, layout, decode_layers, blocks))
+            reader.read_into(region, plan_cache_reads(shared, layout, decode_layers, blocks))
 
     else:
-        direct = DirectReader(copies(stack))
-        stack.callback(direct.close)
+        pool = stack.enter_context(closing(CopyPool()))
+        direct = stack.enter_context(closing(DirectReader(pool)))
         mapped = direct.peer("bench/0", shared, layout, geo)
 
         def move() -> None:

@@ -80,8 +80,7 @@ class VllmPagedLayout(KVLayout):
         return tuple(logical[i] for i in self.layer_order)
 
     def layer_view(self, physical: torch.Tensor) -> torch.Tensor:
-        order = self.layer_order
-        return physical.permute(tuple(order.index(i) for i in range(4)))
+        return physical.permute(tuple(self.layer_order.index(i) for i in range(4)))
 
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         return layer[..., : geo.head_size], layer[..., geo.head_size :]
@@ -131,12 +130,11 @@ class QaicSlotLayout(KVLayout):
         return layer[0], layer[1]
 
 
-_CLASSES: list[type[KVLayout]] = [
-    type(f"Vllm{n}Layout", (VllmPagedLayout,), {"kind": n, "layer_order": o})
+LAYOUTS: dict[str, KVLayout] = {
+    n: type(f"Vllm{n}Layout", (VllmPagedLayout,), {"kind": n, "layer_order": o})()
     for n, o in VLLM_ORDERS.items()
-]
-_CLASSES += [VllmCpuLayout, QaicSlotLayout]
-LAYOUTS: dict[str, KVLayout] = {cls.kind: cls() for cls in _CLASSES}
+}
+LAYOUTS |= {cls.kind: cls() for cls in (VllmCpuLayout, QaicSlotLayout)}
 if tuple(LAYOUTS) != LAYOUT_KINDS:
     raise ImportError("wire.LAYOUT_KINDS must name every layout, in order")
 
@@ -244,8 +242,7 @@ def copy_layers(
         d_ = [d[plane][:, h.dst_start : h.dst_start + nh] for d in dst]
         # Planned once per call: one shape and strides on each side, so one plan per run
         # length and every layer's blocks as addresses from the layers' bases.
-        native = NATIVE and _one_cpu_shape(s_, d_)
-        bases = (_bases(s_), _bases(d_)) if native else None
+        bases = (_bases(s_), _bases(d_)) if NATIVE and _one_cpu_shape(s_, d_) else None
         for b in batches:
             plan = _native_plan(s_[0], d_[0], b.n) if bases else None
             if plan and bases:
@@ -286,15 +283,13 @@ def _native_plan(src: torch.Tensor, dst: torch.Tensor, n: int) -> BlockRows | Bl
     """How the native copy moves ``n`` tokens of each block of these views, where it can
     and is faster than numpy."""
     shape = (*src.shape[1:2], n, *src.shape[3:])
-    return _block_plan(shape, src.stride()[1:], dst.stride()[1:], src.element_size())
+    dims = zip(shape, src.stride()[1:], dst.stride()[1:], strict=True)
+    return _block_plan(tuple(d for d in dims if d[0] > 1), src.element_size())
 
 
 @functools.lru_cache(maxsize=256)  # a few shapes per layout pair, asked per copy
-def _block_plan(
-    shape: tuple[int, ...], src_strides: tuple[int, ...], dst_strides: tuple[int, ...], item: int
-) -> BlockRows | BlockTiles | None:
-    dims = [(n, a, b) for n, a, b in zip(shape, src_strides, dst_strides, strict=True) if n > 1]
-    return block_rows(dims, item) or block_tiles(dims, item)
+def _block_plan(dims: tuple[tuple[int, int, int], ...], item: int) -> BlockRows | BlockTiles | None:
+    return block_rows(list(dims), item) or block_tiles(list(dims), item)
 
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
@@ -400,8 +395,7 @@ def _addresses(
 ) -> np.ndarray:
     """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view starting at
     ``bases`` (of ``view``'s shape and strides), view by view (`_batches` checked the ids)."""
-    item = view.element_size()
-    offsets = ids * (view.stride(0) * item) + at * (view.stride(2) * item)
+    offsets = (ids * view.stride(0) + at * view.stride(2)) * view.element_size()
     return np.add.outer(bases, offsets).ravel().astype(np.uint64)
 
 
@@ -423,9 +417,8 @@ class _Batch:
     def parts(self) -> list[tuple[int, int, _Index, _Index]]:
         """The runs grouped by offsets (source offset, destination offset, blocks, blocks),
         for the copies that index whole blocks; only where the native copy does not apply."""
-        offsets, group = np.unique(
-            np.stack([self.src_at, self.dst_at], axis=1), axis=0, return_inverse=True
-        )
+        pairs = np.stack([self.src_at, self.dst_at], axis=1)
+        offsets, group = np.unique(pairs, axis=0, return_inverse=True)
         group = group.reshape(-1)
         return [
             (so, do, _as_slice(self.src_ids[group == g]), _as_slice(self.dst_ids[group == g]))
@@ -441,7 +434,6 @@ def _run_groups(
     list, offsets in those blocks, the same for the destination). Block ids apart, every
     request of a length shares it."""
     runs = plan_token_runs(t0, t1, src_bs, dst_bs, dst_t0)
-    runs.flags.writeable = False  # cached: shared by every caller
     return [
         (n, runs[sel, 0], runs[sel, 2], runs[sel, 1], runs[sel, 3])
         for n in np.unique(runs[:, 4]).tolist()
@@ -488,13 +480,10 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
     return runs
 
 
-def gather_tokens(
-    kv: tuple[torch.Tensor, torch.Tensor], blocks: Sequence[int], num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_tokens(kv: KV, blocks: Sequence[int], num_tokens: int) -> KV:
     """Reference: K and V of the first ``num_tokens`` tokens, ``[heads, tokens, head_dim]``."""
-    used = torch.as_tensor(
-        blocks[: blocks_for_tokens(num_tokens, kv[0].shape[2])], dtype=torch.long
-    )
+    nb = blocks_for_tokens(num_tokens, kv[0].shape[2])
+    used = torch.as_tensor(blocks[:nb], dtype=torch.long)
     k, v = (view[used].transpose(0, 1).flatten(1, 2)[:, :num_tokens] for view in kv)
     return k, v
 
@@ -525,9 +514,8 @@ class StagingFormat:
 
     def shift(self, layer: int) -> int:
         """Tokens before a layer's first staged block (its position 0 in staging)."""
-        if not self.first_tokens:
-            return 0
-        return self.first_tokens[layer] - self.first_tokens[layer] % self.geometry.block_size
+        first = self.first_tokens[layer] if self.first_tokens else 0
+        return first - first % self.geometry.block_size
 
     def _blocks(self, layer: int, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens - self.shift(layer), self.geometry.block_size)
@@ -545,9 +533,7 @@ class StagingFormat:
         at = state_offset(self._kv_bytes(num_tokens))
         return region[at : at + self.state_bytes]
 
-    def layer_views(
-        self, region: torch.Tensor, num_tokens: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def layer_views(self, region: torch.Tensor, num_tokens: int) -> list[KV]:
         """Canonical views of each layer inside a staged region (flat uint8, no copy)."""
         layout = get_layout(self.layout_kind)
         views, at = [], 0

@@ -90,11 +90,8 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
         if problem := _name_problem(i, r):
             return problem
         for field in _AGREED:
-            if getattr(r, field) != getattr(first, field):
-                return (
-                    f"rank {i} {field} {getattr(r, field)!r} differs from rank 0's "
-                    f"{getattr(first, field)!r}"
-                )
+            if (value := getattr(r, field)) != (want := getattr(first, field)):
+                return f"rank {i} {field} {value!r} differs from rank 0's {want!r}"
     return None
 
 
@@ -113,9 +110,7 @@ class _Entry:
 
 class PeerDirectory:
     def __init__(self, engine_id: str, key: bytes | None, timeout_s: float) -> None:
-        self.engine_id = engine_id
-        self.key = key
-        self.timeout_s = timeout_s
+        self.engine_id, self.key, self.timeout_s = engine_id, key, timeout_s
         self.ours: RankMetadata | None = None  # set once our workers registered
         self._entries: dict[tuple[str, int], _Entry] = {}
         self._lock = threading.Lock()
@@ -159,8 +154,7 @@ class PeerDirectory:
                         f"({self.timeout_s}s each)"
                     ) from None
         if not isinstance(reply, HandshakeReply):
-            kind = type(reply).__name__
-            raise PeerRefused(f"bad handshake reply from {host}:{port}: got {kind}")
+            raise PeerRefused(f"bad handshake reply from {host}:{port}: got {type(reply).__name__}")
         if problem := check_ranks(reply.ranks):
             raise PeerRefused(f"bad handshake reply from {host}:{port}: {problem}")
         if self.ours is not None and (problem := incompatibility(self.ours, reply.ranks[0])):
@@ -205,14 +199,9 @@ class PeerDirectory:
     def _entry(self, host: str, port: int, retry: bool = True) -> _Entry:
         with self._lock:
             entry = self._entries.get((host, port))
-            stale = (
-                retry
-                and entry is not None
-                and entry.error is not None
-                and time.monotonic() - entry.finished > RETRY_AFTER_S
-            )
-            if entry is None or stale:
-                # A failed handshake is retried after a pause, not cached forever.
+            # A failed handshake is retried after a pause, not cached forever.
+            age = time.monotonic() - entry.finished if entry is not None else 0.0
+            if entry is None or (retry and entry.error is not None and age > RETRY_AFTER_S):
                 entry = _Entry(threading.Event())
                 self._entries[(host, port)] = entry
                 thread = threading.Thread(

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
+_FINISHED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)  # not aborted
 
 
 def _unreturnable(rid: str) -> str | None:
@@ -131,13 +132,11 @@ class PrefillHandoffs:
             target = self._resolve_target(rid, params, out.waiting_since)
             if target is None:
                 return None, False
-            held_blocks = sum(self._direct_held.values())
             wanted = request.num_prompt_tokens // self.engine.geometry.block_size
-            if held_blocks + wanted > self._direct_cap:
+            if sum(self._direct_held.values()) + wanted > self._direct_cap:
                 target = dataclasses.replace(target, direct=False)
             out.target, out.waiting_since = target, now
-        held = (0,) * len(self.engine.groups)  # the most it can stage: nothing is dropped yet
-        fmt = self._staging_format(request.num_prompt_tokens, out.target, held)
+        fmt = self._staging_format(request.num_prompt_tokens, out.target)
         self.releases.expire()  # an idle engine ran no step that would have freed them
         try:
             kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
@@ -199,11 +198,10 @@ class PrefillHandoffs:
             return dataclasses.replace(own, direct=True)  # block_ids: ours, in our format
         return StagingTarget(decode[0].layout_kind, decode[0].block_size)
 
-    def _staging_format(
-        self, num_tokens: int, target: StagingTarget, held: tuple[int, ...]
-    ) -> StagingFormat:
+    def _staging_format(self, num_tokens: int, target: StagingTarget) -> StagingFormat:
+        """The most a request can stage: none of its blocks is dropped yet."""
         groups = self.engine.groups
-        starts = staged_starts(groups, num_tokens, target.block_size, held)
+        starts = staged_starts(groups, num_tokens, target.block_size, (0,) * len(groups))
         return StagingFormat(
             target.layout_kind,
             dataclasses.replace(self.engine.geometry, block_size=target.block_size),
@@ -251,11 +249,10 @@ class PrefillHandoffs:
         assert self.kv_cache_manager is not None and out.offset is not None
         assert out.target is not None
         groups, num_tokens = self.engine.groups, req.num_prompt_tokens
+        all_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         block_ids = tuple(
             list(ids[: blocks_for_tokens(num_tokens, g.block_size)])
-            for g, ids in zip(
-                groups, self.kv_cache_manager.get_block_ids(req.request_id), strict=True
-            )
+            for g, ids in zip(groups, all_ids, strict=True)
         )
         if out.starts is None:
             null = self.kv_cache_manager.block_pool.null_block.block_id
@@ -316,10 +313,7 @@ class PrefillHandoffs:
             if out is not None and out.error is not None:
                 return hold, {"do_remote_prefill": False, "error": out.error}
             return hold, None
-        if request.status not in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        ):
+        if request.status not in _FINISHED:
             self.pool.release(rid)  # aborted: nobody will come for it
             return hold, None
         params = self._ticket(request, spec)
@@ -329,13 +323,12 @@ class PrefillHandoffs:
         return hold, msgspec.to_builtins(params)
 
     def _ticket(self, request: Request, spec: SaveSpec) -> RemotePrefill:
-        rid = request.request_id
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine.engine_id,
             remote_host=self.cfg.advertise_host,
             remote_port=self.engine.port,
-            remote_request_id=rid,
+            remote_request_id=request.request_id,
             num_tokens=spec.num_tokens,
             staging_offset=spec.staging_offset,
             staged_layout=spec.layout_kind,
@@ -344,11 +337,10 @@ class PrefillHandoffs:
             generation=spec.generation,
             prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
             lease_s=round(self.cfg.lease_s, 3),  # whole ms: see ticket_mac
-            expires_at=round(time.time() + self.pool.expires_in(rid), 3),
+            expires_at=round(time.time() + self.pool.expires_in(request.request_id), 3),
             group_starts=spec.starts if any(spec.starts) else (),
             block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
         )
-        if self.cfg.shared_key is not None:
-            mac = ticket_mac(params, self.cfg.shared_key)
-            params = msgspec.structs.replace(params, ticket_mac=mac)
+        if (key := self.cfg.shared_key) is not None:
+            params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, key))
         return params

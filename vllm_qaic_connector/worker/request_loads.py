@@ -10,12 +10,7 @@ from dataclasses import dataclass
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.kv.layout import (
-    KVGeometry,
-    blocks_for_tokens,
-    get_layout,
-    layer_runs,
-)
+from vllm_qaic_connector.kv.layout import KVGeometry, blocks_for_tokens, get_layout, layer_runs
 from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, source_ranks
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
@@ -68,8 +63,7 @@ class RequestLoads:
         copies: CopyPool,
     ) -> None:
         self.cfg, self.identity, self.cache, self.ours = cfg, identity, cache, ours
-        self.transport, self.peers, self.direct = transport, peers, direct
-        self.copies = copies
+        self.transport, self.peers, self.direct, self.copies = transport, peers, direct, copies
         self._tp = identity.tp_size, identity.tp_rank
         self._key = cfg.shared_key  # read once: the property reads the key file each time
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
@@ -78,8 +72,7 @@ class RequestLoads:
         if spec.error is not None or spec.remote is None:
             raise ValueError(spec.error or "no remote prefill")
         ranks = self._peer_ranks(spec)
-        if spec.holds_until and time.time() > spec.holds_until:
-            late = time.time() - spec.holds_until
+        if spec.holds_until and (late := time.time() - spec.holds_until) > 0:
             raise StaleTicket(f"the staging lease ran out {late:.1f}s before the read")
         if spec.remote.block_ids:
             return self._direct(spec, ranks, gate)
@@ -102,8 +95,7 @@ class RequestLoads:
         for g in groups:
             ids = spec.block_ids[g]
             end = spec.end or len(ids) * bs
-            first = spec.start(g) // bs
-            blocks.update(ids[first : blocks_for_tokens(end, bs)])
+            blocks.update(ids[spec.start(g) // bs : blocks_for_tokens(end, bs)])
         return frozenset(blocks)
 
     def shutdown(self) -> None:
@@ -135,26 +127,23 @@ class RequestLoads:
         remote, cache, transport = spec.remote, self.cache, self.transport
         assert remote is not None
         total, src_tp = self.identity.total_kv_heads, len(ranks)
-        src_blocks = list(range(blocks_for_tokens(remote.num_tokens, remote.staged_block_size)))
+        staged_bs = remote.staged_block_size
+        src_blocks = list(range(blocks_for_tokens(remote.num_tokens, staged_bs)))
         copied, reads, t0 = 0, 0, time.monotonic()
         # Each source rank staged its own head shard (and state shard); read only what
         # this rank holds.
         kv_heads = {s.src_rank: s.heads for s in head_sources(total, src_tp, *self._tp)}
         for r in source_ranks(total, src_tp, *self._tp, state=cache.state is not None):
             src_rank = ranks[r]
-            src_geo = KVGeometry(
-                len(heads_of_rank(total, src_tp, r)),
-                src_rank.head_size,
-                remote.staged_block_size,
-                cache.geometry.dtype,
-            )
+            heads = len(heads_of_rank(total, src_tp, r))
+            src_geo = KVGeometry(heads, src_rank.head_size, staged_bs, cache.geometry.dtype)
             staged = remote.group_starts or (0,) * len(spec.block_ids)
             fmt = cache.staging_format(
                 remote.staged_layout, src_geo, src_rank.num_layers, staged, (src_tp, r)
             )
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
-            notify = self._ack(remote.remote_request_id, r)
+            ack = self._ack(remote.remote_request_id, r)
             with (
                 checked_read(
                     transport,
@@ -162,7 +151,7 @@ class RequestLoads:
                     remote.staging_offset,
                     fmt.request_bytes(remote.num_tokens),
                     remote.generation,
-                    notify if transport.delivers_notifications else None,
+                    ack,
                 ) as region,
                 gate.writing(),
             ):
@@ -180,7 +169,7 @@ class RequestLoads:
                 if self.cfg.debug_corrupt_loaded_kv:
                     self._corrupt(spec)
             reads += 2  # the region with its header, then the header again
-        return self._loaded(spec, ranks, copied, t0, reads)
+        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads)
 
     def _direct(self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate) -> LoadResult:
         """Copies the prompt's blocks out of the prefill rank's KV cache (mapped shm, in
@@ -191,12 +180,8 @@ class RequestLoads:
         tp_rank = self.identity.tp_rank
         src = ranks[tp_rank] if len(ranks) == self.identity.tp_size else None
         problem = direct_problem(src, self.ours, len(ranks)) if src else "TP sizes differ"
-        if (
-            problem is None
-            and src is not None
-            and (remote.staged_layout, remote.staged_block_size)
-            != (src.layout_kind, src.block_size)
-        ):
+        staged = (remote.staged_layout, remote.staged_block_size)
+        if problem is None and src is not None and staged != (src.layout_kind, src.block_size):
             problem = "the ticket's format is not the prefill's"  # block_ids are in it
         t0, bs = time.monotonic(), cache.geometry.block_size
         first, end, ours, theirs = spec.start(0), spec.end, spec.block_ids[0], remote.block_ids
@@ -207,22 +192,17 @@ class RequestLoads:
         if max(remote.block_ids) >= src.num_blocks:
             raise ValueError(f"block_ids beyond the prefill's {src.num_blocks} blocks")
         lo, hi = first // bs, blocks_for_tokens(end, bs)
-        notify = self._ack(remote.remote_request_id, tp_rank)
+        ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
         with (
-            checked_region(
-                transport, src.endpoint, remote.staging_offset, remote.generation,
-                notify if transport.delivers_notifications else None,
-            ),
+            checked_region(transport, src.endpoint, remote.staging_offset, remote.generation, ack),
             gate.writing(),
-        ):  # fmt: skip
+        ):
             if not src.cache.mapped:  # registered memory: READs of whole blocks
                 blocks = (theirs[lo:hi], ours[lo:hi])
                 runs = plan_cache_reads(src.cache, cache.layout, cache.tensors, blocks)
-                copied, reads = (
-                    transport.read_into(cache_endpoint(src.endpoint, src.cache), runs),
-                    reads + len(runs),
-                )
+                copied = transport.read_into(cache_endpoint(src.endpoint, src.cache), runs)
+                reads += len(runs)
             else:
                 geometry = dataclasses.replace(cache.geometry, block_size=src.block_size)
                 layout = get_layout(src.layout_kind)
@@ -234,27 +214,24 @@ class RequestLoads:
                 )  # converted, or the first block is partly ours already
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)
-        return self._loaded(spec, ranks, copied, t0, reads, direct=True)
+        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads, direct=True)
 
-    def _ack(self, remote_request_id: str, src_rank: int) -> bytes:
-        """What tells source rank ``src_rank`` that this rank has read its part."""
+    def _ack(self, remote_request_id: str, src_rank: int) -> bytes | None:
+        """What tells source rank ``src_rank`` that this rank has read its part, riding on
+        the read; None where the transport carries no messages."""
+        if not self.transport.delivers_notifications:
+            return None
         me = self.identity
         return ack_message(remote_request_id, me.tp_rank, me.tp_size, src_rank, self._key)
 
     def _loaded(
-        self,
-        spec: LoadSpec,
-        ranks: list[RankMetadata],
-        copied: int,
-        t0: float,
-        reads: int,
-        direct: bool = False,
+        self, spec: LoadSpec, source: str, copied: int, t0: float, reads: int, direct: bool = False
     ) -> LoadResult:
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
             spec.request_id, frozenset(), spec.end - spec.first_token, copied,
-            ranks[0].engine_id, time.monotonic() - t0, reads, direct,
+            source, time.monotonic() - t0, reads, direct,
         )  # fmt: skip
 
     def _corrupt(self, spec: LoadSpec) -> None:
