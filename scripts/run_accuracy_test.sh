@@ -47,6 +47,9 @@ ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
 DTYPE=${DTYPE:-}  # --dtype for every server (vLLM on CPU serves float32 checkpoints in bf16)
+# 1: every vLLM server schedules asynchronously, as vLLM does by default on a GPU (its CPU
+# platform turns it off; testbed/cpu_async_scheduling.py turns it back on).
+ASYNC_SCHEDULING=${ASYNC_SCHEDULING:-0}
 ASYNC_SAVES=${ASYNC_SAVES:-1}  # 0: the connector's async_saves off (staging inside the step)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
@@ -150,6 +153,7 @@ serve() {  # name cores port block_size tp kv_transfer_config(or empty) [extra v
   [ "$HMA" = 0 ] && opts+=(--no-hma)
   [ "$PREFIX_CACHING" = 0 ] && opts+=(--no-prefix-caching)
   [ -n "$DTYPE" ] && opts+=(--dtype "$DTYPE")
+  [ "$ASYNC_SCHEDULING" = 1 ] && opts+=(--async-scheduling)
   [ -n "$ktc" ] && opts+=(--kv "$ktc")
   "$PY" -m testbed.serve vllm "${opts[@]}" -- "$@" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
@@ -160,7 +164,7 @@ ktc() {  # role engine_id side_channel_port
 }
 
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
-     "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE DP D=$DECODER_DP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT negative_control=$NEGATIVE_CONTROL"
+     "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE DP D=$DECODER_DP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT async_scheduling=$ASYNC_SCHEDULING negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
 [ -n "$PREFILL_KV_BLOCKS" ] && PREFILL_ARGS+=(--num-gpu-blocks-override "$PREFILL_KV_BLOCKS" --no-scheduler-reserve-full-isl)
@@ -275,6 +279,13 @@ for entry in "${LEAK_URLS[@]}"; do
   fi
   if [ "$usage" != 0 ]; then echo "FAIL: ${entry%%:*} on port ${entry#*:} still holds KV blocks"; status=1; fi
 done > "$RUN_DIR/usage.txt"
+if [ "$ASYNC_SCHEDULING" = 1 ]; then  # every vLLM server went through the launcher that keeps it
+  servers=$(ls "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log 2>/dev/null | wc -l)
+  [ "$DECODE_TARGET" = qaic ] && servers=${#P_PORTS[@]}
+  kept=$(grep -l '^\[testbed\] async scheduling kept True' "$RUN_DIR"/*.log | wc -l)
+  echo "async scheduling (batch queue of 2, as on a GPU) in $kept of $servers vLLM servers" >> "$RUN_DIR/usage.txt"
+  [ "$kept" = "$servers" ] || echo "FAIL: async scheduling is off in some vLLM server" >> "$RUN_DIR/usage.txt"
+fi
 grep -q '^FAIL:' "$RUN_DIR/usage.txt" && status=1
 { sed '$d' "$RUN_DIR/verdict.txt"; cat "$RUN_DIR/usage.txt"; tail -n 1 "$RUN_DIR/verdict.txt"; } > "$RUN_DIR/verdict.all"
 mv "$RUN_DIR/verdict.all" "$RUN_DIR/verdict.txt"

