@@ -80,9 +80,10 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
             key_env = {KEY_ENV: Path(key_file).read_text()}
             decode_extra["side_channel_key_file"] = key_file
         chat = ["--chat-template", proxy_clients.CHAT_TEMPLATE]
+        # One engine_id per kind, as replicas of one Deployment share their config: peers
+        # are told apart by address and incarnation, never by engine_id.
         decode_kvs = [
-            kv_config("kv_both", run.engine_id(f"d{i}"), free_port(), transport,
-                      **decode_extra)
+            kv_config("kv_both", run.engine_id("d"), free_port(), transport, **decode_extra)
             for i in range(n)
         ]  # fmt: skip
         peers = [f"127.0.0.1:{kv['kv_connector_extra_config']['side_channel_port']}"
@@ -93,7 +94,7 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
                    for i, kv in enumerate(decode_kvs)]  # fmt: skip
         prefills = [
             run.vllm(f"prefill{i}", "0", wrap[i](kv_config(
-                "kv_both", run.engine_id(f"p{i}"), free_port(), transport,
+                "kv_both", run.engine_id("p"), free_port(), transport,
                 lease_s=LEASE_S, decode_peers=peers,
             )), extra_args=chat, extra_env=key_env)
             for i in range(n)
