@@ -14,6 +14,7 @@ Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import time
@@ -35,6 +36,7 @@ from testbed.live_servers import (
     metric_samples,
     poll_until,
 )
+from testbed.model import TINY
 
 GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"
@@ -209,9 +211,11 @@ def check_answers_match_vllm(
     """The proxy's answers are the ones vLLM itself gives (the prefill serving the request,
     salted away from the handoffs' cached blocks), field by field and event by event:
     completions and chat, streamed (with usage or not) and not, an answer that ends at the
-    prefill's token, logprobs, echo, stop strings, seeded sampling, token ids, and a list of
-    prompts (each handed off alone). ``fresh(n)``: n prompts no earlier request used, so
-    every handoff loads its whole prompt (no local prefix hit on the decode).
+    prefill's token, logprobs, echo, stop strings, seeded sampling, token ids, a list of
+    prompts (each handed off alone), and a prompt that fills the context but for one token
+    (vLLM answers one token; the decode would refuse the prompt and that token).
+    ``fresh(n)``: n prompts no earlier request used, so every handoff loads its whole prompt
+    (no local prefix hit on the decode).
 
     And each prompt is staged and loaded as expected: once each, except an answer that
     ends at the prefill's token (staged, never loaded) and prompt logprobs (vLLM scores
@@ -230,6 +234,10 @@ def check_answers_match_vllm(
         (seeded, handoff), ({**seeded, "stream": True}, handoff),
     ]  # fmt: skip
     cases = [("/v1/completions", {"prompt": fresh(1)[0], **o}, n) for o, n in completions]
+    rng = random.Random(time.monotonic_ns())  # token ids no earlier request used
+    for o in ({"max_tokens": None}, {"max_tokens": 5, "stream": True, **usage}):
+        full = [rng.randrange(5, 60) for _ in range(TINY.max_model_len - 1)]
+        cases.append(("/v1/completions", {"prompt": full, **o}, prefill_alone))
     lists: list[dict[str, Any]] = [{}, {"return_token_ids": True}]
     chats: list[dict[str, Any]] = [
         {},

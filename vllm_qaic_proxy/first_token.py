@@ -66,9 +66,14 @@ class FirstToken:
     finished: bool  # the whole answer: a stop, or a limit of one token
 
     @classmethod
-    def of(cls, prefilled: dict[str, Any], body: dict[str, Any]) -> FirstToken | None:
+    def of(
+        cls, prefilled: dict[str, Any], body: dict[str, Any], context: int | None = None
+    ) -> FirstToken | None:
         """None where the prefill's answer does not allow it (another connector's ticket,
-        no token ids): then the decode answers from its own first token."""
+        no token ids): then the decode answers from its own first token. ``context``: the
+        decode's max_model_len, where known; a prompt one token short of it ends the answer
+        at the prefill's token, as vLLM ends it (the decode would refuse the prompt and
+        that token as longer than its context)."""
         params = prefilled.get("kv_transfer_params")
         try:
             [choice] = prefilled["choices"]
@@ -82,6 +87,7 @@ class FirstToken:
             return None
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        finished |= context is not None and len(prompt_ids) + 1 >= context
         text = choice.get("text") or ""
         if not finished and (not text or UNSURE_TEXT in text):
             return None  # its text depends on the tokens after it: the decode's own

@@ -107,6 +107,7 @@ class Proxy:
         self._key, self._first_from_prefill = key, first_token_from_prefill
         self._session: aiohttp.ClientSession | None = None
         self._releases: set[asyncio.Future[None]] = set()
+        self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
 
     # --- legs -----------------------------------------------------------------------------
 
@@ -268,7 +269,8 @@ class Proxy:
                     return web.json_response(
                         error_body(503, str(params["error"]), "KVHandoffError"), status=503
                     )
-                first = FirstToken.of(prefilled, body) if first_from_prefill else None
+                if first_from_prefill:
+                    first = FirstToken.of(prefilled, body, await self._context(decode_url))
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing)
             if first is not None:
@@ -290,6 +292,21 @@ class Proxy:
         finally:
             if not done and isinstance(params, dict):
                 self._release(params)
+
+    async def _context(self, decode_url: str) -> int | None:
+        """The decode's max_model_len, from its /v1/models once; None where it names none
+        (asked again next time where the decode did not answer)."""
+        if decode_url not in self._contexts:
+            assert self._session is not None
+            timeout = aiohttp.ClientTimeout(total=5)
+            try:
+                async with self._session.get(decode_url + "/v1/models", timeout=timeout) as resp:
+                    cards = (await resp.json(content_type=None)).get("data") or [{}]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                return None
+            found = cards[0].get("max_model_len") if isinstance(cards[0], dict) else None
+            self._contexts[decode_url] = found if isinstance(found, int) else None
+        return self._contexts[decode_url]
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
