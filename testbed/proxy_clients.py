@@ -213,7 +213,8 @@ def check_answers_match_vllm(
     completions and chat, streamed (with usage or not) and not, an answer that ends at the
     prefill's token, logprobs, echo, stop strings, seeded sampling, token ids, a list of
     prompts (each handed off alone), and a prompt that fills the context but for one token
-    (vLLM answers one token; the decode would refuse the prompt and that token).
+    (vLLM answers one token; the decode would refuse the prompt and that token). Requests
+    vLLM refuses (a token limit of 0, -1 or not a number) get vLLM's own 400 through it.
     ``fresh(n)``: n prompts no earlier request used, so every handoff loads its whole prompt
     (no local prefix hit on the decode).
 
@@ -256,6 +257,19 @@ def check_answers_match_vllm(
         salt = {"cache_salt": f"reference-{time.monotonic_ns()}"}
         want = _answer(prefill.url, path, {**body, **salt})
         assert got == want, f"{path} {case.keys()}: the proxy's {got} != vLLM's {want}"
+    refused: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"max_tokens": 0}), ("/v1/completions", {"max_tokens": -1}),
+        ("/v1/completions", {"max_tokens": "ten"}), ("/v1/completions", {"min_tokens": -1}),
+        ("/v1/chat/completions", {"max_completion_tokens": 0}),
+    ]  # fmt: skip
+    for path, case in refused:
+        chat = path.endswith("chat/completions")
+        prompt = {"messages": [{"role": "user", "content": "a"}]} if chat else {"prompt": "a"}
+        body = {"model": "model", "temperature": 0.0, **prompt, **case}
+        got, want = (
+            requests.post(u + path, json=body, timeout=60) for u in (proxy.url, prefill.url)
+        )
+        assert got.status_code == want.status_code == 400 and got.json() == want.json(), case
     time.sleep(1.0)  # the last step's connector stats reach /metrics
     staged = prefill.metric(SAVED, 0.0) - staged0
     loaded = decode.metric(LOADED, 0.0) - loaded0

@@ -75,11 +75,17 @@ def unsupported(body: dict[str, Any]) -> str | None:
 
 
 def prefill_body(body: dict[str, Any], chat: bool, decode_kv: str) -> dict[str, Any]:
-    """The prefill leg: one token, whichever token limit the client used, never streamed."""
+    """The prefill leg: one token, whichever token limit the client used, never streamed.
+    A limit vLLM refuses (0, -1, not a number) stays, so the client gets vLLM's own 400
+    naming it rather than an answer."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
     out.update(PREFILL_OVERRIDES)
     if chat or "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
+    for key, least in (("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 0)):
+        value = body.get(key)
+        if value is not None and (type(value) is not int or value < least):
+            out[key] = value
     params: dict[str, Any] = {"do_remote_decode": True}
     if decode_kv:  # the prefill stages straight into that decode's layout
         host, port = decode_kv.rsplit(":", 1)
