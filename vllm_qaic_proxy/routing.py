@@ -5,8 +5,11 @@ No I/O: the proxy reports when a leg starts and ends."""
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+DOWN_S = 5.0  # a backend that refused a connection is skipped this long
 
 
 class LeastOutstanding:
@@ -18,11 +21,25 @@ class LeastOutstanding:
             raise ValueError("no backends")
         self.outstanding = dict.fromkeys(backends, 0)
         self._turn = itertools.count()
+        self._down_until = dict.fromkeys(backends, 0.0)
 
     def pick(self) -> str:
-        fewest = min(self.outstanding.values())
-        tied = [b for b, n in self.outstanding.items() if n == fewest]
+        now = time.monotonic()
+        up = {b: n for b, n in self.outstanding.items() if self._down_until[b] <= now}
+        candidates = up or self.outstanding  # all down: try them all the same
+        fewest = min(candidates.values())
+        tied = [b for b, n in candidates.items() if n == fewest]
         return tied[next(self._turn) % len(tied)]
+
+    def mark_down(self, backend: str) -> None:
+        """``backend`` refused a connection: skip it for ``DOWN_S``."""
+        self._down_until[backend] = time.monotonic() + DOWN_S
+
+    def failover(self, first: str) -> list[str]:
+        """``first``, then every other backend that is up, in the order to try them."""
+        now = time.monotonic()
+        rest = [b for b in self.outstanding if b != first and self._down_until[b] <= now]
+        return [first, *sorted(rest, key=self.outstanding.__getitem__)]
 
     @contextmanager
     def busy(self, backend: str) -> Iterator[str]:

@@ -18,7 +18,8 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -28,9 +29,10 @@ from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
 from vllm_qaic_proxy import batches, first_token
 from vllm_qaic_proxy.first_token import FirstToken
-from vllm_qaic_proxy.routing import Router
+from vllm_qaic_proxy.routing import LeastOutstanding, Router
 
 logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
+T = TypeVar("T")
 
 # The prefill computes the prompt's KV and one token (the client's first, where it can be).
 PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
@@ -54,6 +56,11 @@ class LegError(Exception):
             return web.json_response(self.body, status=self.status)
         logger.warning("request failed (%d): %s", self.status, self)
         return web.json_response(error_body(self.status, str(self)), status=self.status)
+
+
+class NoAnswer(LegError):
+    """The backend gave no answer at all (no connection, or closed before its headers), so
+    another backend of the same kind may take the request."""
 
 
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
@@ -125,6 +132,8 @@ class Proxy:
             return await self._session.post(url, json=body, timeout=timeout)
         except asyncio.TimeoutError:
             raise LegError(504, f"{leg} leg {url} timed out") from None
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            raise NoAnswer(503, f"{leg} leg {url} is unreachable: {exc}") from None
         except aiohttp.ClientError as exc:
             raise LegError(503, f"{leg} leg {url} is unreachable: {exc}") from None
 
@@ -152,6 +161,24 @@ class Proxy:
             detail = error.get("message") if isinstance(error, dict) else body
             raise LegError(502, f"{leg} leg {url} failed with HTTP {resp.status}: {detail}")
         return body
+
+    async def _failover(
+        self, pool: LeastOutstanding, first: str, leg: Callable[[str], Awaitable[T]]
+    ) -> T:
+        """``leg(url)`` on ``first``; where a backend gave no answer at all, on the next one
+        that is up (a dead engine costs its requests a retry, not an error), and that
+        backend is skipped for a while."""
+        tried = pool.failover(first)
+        for url in tried:
+            try:
+                with pool.busy(url):
+                    return await leg(url)
+            except NoAnswer as exc:
+                pool.mark_down(url)
+                if url == tried[-1]:
+                    raise
+                logger.warning("%s; trying the next", exc)
+        raise AssertionError("no backend tried")
 
     async def _prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s)
@@ -261,11 +288,14 @@ class Proxy:
         try:
             if not scores_the_prompt(body, chat):
                 started = time.monotonic()
-                with self.router.prefills.busy(prefill_url):
-                    to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
-                    if first_from_prefill:
-                        to_prefill["return_token_ids"] = True
-                    prefilled = await self._prefill(prefill_url + request.path, to_prefill)
+                to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
+                if first_from_prefill:
+                    to_prefill["return_token_ids"] = True
+                prefilled = await self._failover(
+                    self.router.prefills,
+                    prefill_url,
+                    lambda url: self._prefill(url + request.path, to_prefill),
+                )
                 # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
                 took_ms = (time.monotonic() - started) * 1e3
                 timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
@@ -283,14 +313,18 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             else:
                 to_decode = {**body, "kv_transfer_params": params} if params else body
-            url = decode_url + request.path
-            with self.router.decodes.busy(decode_url):
-                if body.get("stream"):
-                    response, done = await self._stream(request, url, to_decode, timing, first)
-                    return response
-                timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
-                resp = await self._open("decode", url, to_decode, timeout)
-                answer = await self._json("decode", decode_url, resp)
+            if body.get("stream"):
+                response, done = await self._failover(
+                    self.router.decodes,
+                    decode_url,
+                    lambda url: self._stream(request, url + request.path, to_decode, timing, first),
+                )
+                return response
+            answer = await self._failover(
+                self.router.decodes,
+                decode_url,
+                lambda url: self._decode(url, request.path, to_decode),
+            )
             done = True
             return web.json_response(first.joined(answer) if first else answer, headers=timing)
         except LegError as exc:
@@ -313,6 +347,12 @@ class Proxy:
             found = cards[0].get("max_model_len") if isinstance(cards[0], dict) else None
             self._contexts[decode_url] = found if isinstance(found, int) else None
         return self._contexts[decode_url]
+
+    async def _decode(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
+        return await self._json(
+            "decode", url, await self._open("decode", url + path, body, timeout)
+        )
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]

@@ -22,7 +22,7 @@ from aiohttp import web
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
-from vllm_qaic_proxy import batches, first_token
+from vllm_qaic_proxy import batches, first_token, routing
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
 from vllm_qaic_proxy.server import Proxy, prefill_body, unsupported
 
@@ -472,6 +472,35 @@ async def test_a_prefill_leg_down_is_503(decode: Decode) -> None:
         error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
     assert "prefill leg" in error["message"]
     assert decode.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_a_dead_backend_costs_a_retry_on_another_not_an_error(
+    prefill: Prefill, decode: Decode, stream: bool
+) -> None:
+    """One dead prefill and one dead decode beside live ones (ports nothing listens on, as
+    after a SIGKILL): every request is answered, and after its first refusal a dead backend
+    is skipped, so it is tried once per leg, not once per request."""
+    dead_prefill, dead_decode = dead_url(), dead_url()
+    decode.go.set()  # its streams end at once
+    async with proxy([dead_prefill, prefill.url], [dead_decode, decode.url]) as client:
+        for _ in range(4):
+            resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+    assert len(prefill.requests) == 4 and len(decode.requests) == 4
+
+
+def test_a_backend_marked_down_is_skipped_until_its_time_is_up(monkeypatch) -> None:
+    pool = LeastOutstanding(["a", "b"])
+    pool.mark_down("a")
+    assert {pool.pick() for _ in range(4)} == {"b"} and pool.failover("b") == ["b"]
+    assert pool.failover("a") == ["a", "b"]  # asked for it: tried first, then the others
+    pool.mark_down("b")
+    assert pool.pick() in {"a", "b"}  # all down: each is tried all the same
+    now = time.monotonic()
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now + routing.DOWN_S + 1)
+    assert {pool.pick() for _ in range(4)} == {"a", "b"}
 
 
 async def test_a_backend_400_passes_through(prefill: Prefill, decode: Decode) -> None:

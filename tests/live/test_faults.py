@@ -815,6 +815,28 @@ class TestShm:
                 d.kill(signal.SIGTERM)
                 d.wait_gone(15)
 
+    def test_o_a_decode_sigkilled_behind_the_proxy_costs_its_requests_a_retry(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """A proxy over the prefill and two decodes; one decode is SIGKILLed. Every request
+        is answered right, none gets an error: the proxy takes a leg that got no answer at
+        all (a refused connection) to the other decode, and skips the dead one a while.
+        Before, each request routed to the dead decode got HTTP 503."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.decode_fail)
+        proxy = c.run.proxy([c.prefill.url], [c.decode_fail.url, c.decode.url])
+        wait_all_ready(proxy)
+        try:
+            c.decode_fail.kill()
+            assert c.decode_fail.wait_gone(15)
+            answers = ask_all(proxy.url, c.prompts(8), 4)
+            verdicts = [a.verdict for a in answers]
+            say("a decode SIGKILLed behind the proxy", correct=verdicts.count("correct"), of=8)
+            assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
+        finally:
+            proxy.kill(signal.SIGTERM)
+            c.ensure(c.decode_fail)  # for the cases after this one
+
     # --- issue #39: the request sequence of llm-d's routing sidecar (`-connector=nixlv2`) -------
 
     def test_k_llm_d_sidecar_request_sequence(self, shm_cluster: Cluster) -> None:
