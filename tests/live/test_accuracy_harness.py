@@ -39,9 +39,9 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
         {
             **ASYNC,
             "NUM_PROMPTS": "64",
-            "CONCURRENCY": "8",
+            "CONCURRENCY": "12",
             "PREFILL_KV_BLOCKS": "9",
-            "DECODE_KV_BLOCKS": "10",
+            "DECODE_KV_BLOCKS": "9",
             "PREFILL_MAX_NUM_BATCHED_TOKENS": "64",
         },
         # The decode reads the prefill's 32-token blocks straight out of its cache into its
@@ -63,7 +63,7 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
         # Prefill TP 2 -> decode TP 1 with 512-token blocks runs in CI on the Mamba hybrid
         # (test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1), to keep CI short.
     ],
-    ids=["default-64x8-kv-pressure-async-scheduling", "p32-d128-chunked-dp2"],
+    ids=["default-64x12-kv-pressure-async-scheduling", "p32-d128-chunked-dp2"],
 )
 def test_disaggregated_matches_aggregated(env):
     rc, out = harness_leaves_nothing(**env)
