@@ -130,8 +130,11 @@ def compat_hash(
 
 def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     """Names the first field that makes two engines unable to share KV, or None."""
-    known = bool(mine.weights and theirs.weights)  # else a name is all there is
-    if (mine.weights, mine.model)[not known] != (theirs.weights, theirs.model)[not known]:
+    if mine.weights and theirs.weights:
+        other_weights = mine.weights != theirs.weights
+    else:  # a side without a fingerprint: the model's name is all there is
+        other_weights = mine.model != theirs.model
+    if other_weights:
         return (
             f"peer {theirs.engine_id!r} computes KV with other weights: ours={mine.model!r} "
             f"({mine.weights or 'no fingerprint'}) theirs={theirs.model!r} "
