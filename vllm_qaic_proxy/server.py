@@ -335,16 +335,19 @@ class Proxy:
 
     async def _context(self, decode_url: str) -> int | None:
         """The decode's max_model_len, from its /v1/models once; None where it names none
-        (asked again next time where the decode did not answer)."""
+        (a decode without that route, the QAIC emulator's, is not asked again; one that did
+        not answer is)."""
         if decode_url not in self._contexts:
             assert self._session is not None
             timeout = aiohttp.ClientTimeout(total=5)
             try:
                 async with self._session.get(decode_url + "/v1/models", timeout=timeout) as resp:
-                    cards = (await resp.json(content_type=None)).get("data") or [{}]
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                    text = await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 return None
-            found = cards[0].get("max_model_len") if isinstance(cards[0], dict) else None
+            found = None
+            with contextlib.suppress(ValueError, LookupError, TypeError):  # not vLLM's card
+                found = json.loads(text)["data"][0]["max_model_len"]
             self._contexts[decode_url] = found if isinstance(found, int) else None
         return self._contexts[decode_url]
 
