@@ -201,15 +201,51 @@ def _answer(url: str, path: str, body: dict[str, Any]) -> Any:
             return {k: v for k, v in r.json().items() if k not in PER_ANSWER}
         lines = [line[6:] for line in r.iter_lines() if line.startswith(b"data: ")]
     assert lines[-1] == b"[DONE]", lines[-1:]
-    events = [json.loads(line) for line in lines[:-1]]
-    return [{k: v for k, v in e.items() if k not in PER_ANSWER} for e in events]
+    return _merged_stream([json.loads(line) for line in lines[:-1]])
+
+
+def _merged_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A stream's events folded into one answer. vLLM itself merges deltas into one event
+    when its client reads slower than the engine steps (``RequestOutputCollector``), so
+    where events break is not part of an answer; their sum is. Texts, token ids and
+    logprobs concatenate per choice; every event's usage is kept where it can be compared
+    (the prompt's token count, and a completion count that never falls)."""
+    choices: dict[int, Any] = {}
+    top: dict[str, set[str]] = {}
+    usages = [e["usage"] for e in events if e.get("usage")]
+    for event in events:
+        for choice in event.get("choices", []):
+            choices[choice["index"]] = _merged(choices.get(choice["index"]), choice)
+        for key, value in event.items():
+            if key not in ("choices", "usage", *PER_ANSWER):
+                top.setdefault(key, set()).add(json.dumps(value))
+    counts = [u["completion_tokens"] for u in usages]
+    return {
+        **top,
+        "choices": choices,
+        "usage": usages[-1] if usages else None,
+        "prompt_tokens_in_events": sorted({u["prompt_tokens"] for u in usages}),
+        "completion_tokens_never_fall": counts == sorted(counts),
+    }
+
+
+def _merged(a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return b if a is None else a
+    if isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: _merged(a.get(k), b.get(k)) for k in a | b}
+    return b if a == b else (a, b)
 
 
 def check_answers_match_vllm(
     proxy: Server, prefill: VllmServer, decode: VllmServer, fresh: Callable[[int], list[str]]
 ) -> dict[str, Any]:
     """The proxy's answers are the ones vLLM itself gives (the prefill serving the request,
-    salted away from the handoffs' cached blocks), field by field and event by event:
+    salted away from the handoffs' cached blocks), field by field (a stream's events summed):
     completions and chat, streamed (with usage or not) and not, an answer that ends at the
     prefill's token, logprobs, echo, stop strings, seeded sampling, token ids, a list of
     prompts (each handed off alone), and a prompt that fills the context but for one token
