@@ -32,6 +32,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens
+from vllm_qaic_connector.model_weights import checkpoint_fingerprint, kv_settings
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.peers import PeerDirectory
@@ -56,7 +57,6 @@ from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, to
 from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
-from vllm_qaic_connector.worker.model_weights import checkpoint_fingerprint, kv_settings
 
 logger = init_logger(__name__)
 T = TypeVar("T")

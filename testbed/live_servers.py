@@ -201,6 +201,32 @@ def model_copy(dest: Path, other_kv: bool = False) -> Path:
     return dest
 
 
+def lora_adapter(dest: Path, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter of the shipped model (PEFT's files) on its attention
+    projections, in ``dest``: it changes the answers and the KV."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    hidden, head = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head, config["num_key_value_heads"] * head
+    shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+              "o_proj": (hidden, q)}  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (out, inp) in shapes.items():
+            at = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{at}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.3
+            tensors[f"{at}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.3
+    dest.mkdir(parents=True)
+    save_file(tensors, dest / "adapter_model.safetensors")
+    peft = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+            "target_modules": list(shapes), "bias": "none", "lora_dropout": 0.0}  # fmt: skip
+    (dest / "adapter_config.json").write_text(json.dumps(peft))
+    return dest
+
+
 def is_correct(body: dict[str, Any], answer: str) -> bool:
     try:
         text = body["choices"][0]["text"]

@@ -49,6 +49,7 @@ from testbed.live_servers import (
     hostile_variants,
     is_correct,
     kv_config,
+    lora_adapter,
     model_copy,
     outcome,
     poll_until,
@@ -814,6 +815,52 @@ class TestShm:
             for d in decodes.values():
                 d.kill(signal.SIGTERM)
                 d.wait_gone(15)
+
+    def test_p_a_decode_whose_lora_adapter_differs_recomputes(self, shm_cluster: Cluster) -> None:
+        """A prefill and a decode serving LoRA adapters: under the name ``same`` both one
+        adapter; under ``other`` the decode another (an adapter upgraded on one pool
+        first). Legs sent as a router sends them: the base model's and ``same``'s prompts
+        load and answer as vLLM does; ``other``'s are refused (the ticket carries the
+        adapter's fingerprint) and answer as the decode alone. Before, the decode loaded
+        all of ``other``'s and answered none of them as either side would (HTTP 200)."""
+        c = shm_cluster
+        first, second = (lora_adapter(c.run.dir / f"adapter-{i}", seed=i) for i in (1, 2))
+
+        def serve(name: str, core: str, role: str, other: Path) -> VllmServer:
+            kv = kv_config(role, c.run.engine_id(name), free_port(), "shm")
+            lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
+            return c.run.vllm(name, core, kv, extra_args=[*lora, f"same={first}", f"other={other}"])
+
+        prefill = serve("lora-prefill", "0", "kv_producer", first)
+        decode = serve("lora-decode", "1", "kv_consumer", second)
+        wait_all_ready(prefill, decode)
+
+        def text(server: VllmServer, body: dict[str, Any]) -> Any:
+            r = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text[:300]
+            return r.json()
+
+        try:
+            for model, shared in (("model", True), ("same", True), ("other", False)):
+                loaded0, failed0 = decode.metric(LOADED, 0.0), decode.metric(LOAD_FAILURES, 0.0)
+                for prompt, _ in c.prompts(3):
+                    body = {**completion_body(prompt), "model": model}
+                    prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PARAMS}
+                    ticket = text(prefill, prefill_leg)["kv_transfer_params"]
+                    got = text(decode, {**body, "kv_transfer_params": ticket})
+                    salted = {**body, "cache_salt": f"alone-{time.monotonic_ns()}"}
+                    want = text(prefill if shared else decode, salted)
+                    assert got["choices"] == want["choices"], (model, got, want)
+                time.sleep(1.0)  # the last step's connector stats reach /metrics
+                loaded = decode.metric(LOADED, 0.0) - loaded0
+                failed = decode.metric(LOAD_FAILURES, 0.0) - failed0
+                say(f"LoRA adapter {model!r}", loaded=loaded, load_failures=failed)
+                assert (loaded, failed) == ((3, 0) if shared else (0, 3))
+            assert "other weights, other KV" in decode.log_path.read_text(errors="replace")
+        finally:
+            for server in (prefill, decode):
+                server.kill(signal.SIGTERM)
+                server.wait_gone(15)
 
     def test_o_a_decode_sigkilled_behind_the_proxy_costs_its_requests_a_retry(
         self, shm_cluster: Cluster

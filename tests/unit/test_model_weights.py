@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from testbed.live_servers import model_copy
+from testbed.live_servers import lora_adapter, model_copy
 from testbed.model import MODEL_DIR
-from vllm_qaic_connector.worker.model_weights import (
+from vllm_qaic_connector.model_weights import (
+    adapter_fingerprint,
     checkpoint_fingerprint,
     checkpoint_folder,
     kv_settings,
@@ -92,3 +93,30 @@ def test_samples_spread_over_the_range_and_stay_inside_it():
     assert sample_offsets(0, 10, 3, 64) == [0]  # shorter than a sample: one read
     spread = sample_offsets(0, 1 << 30, 64, 4096)
     assert len(spread) == 64 and spread[-1] == (1 << 30) - 4096
+
+
+def lora(name: str, path: Path | str) -> SimpleNamespace:
+    return SimpleNamespace(lora_name=name, lora_int_id=1, lora_path=str(path))  # a LoRARequest
+
+
+def test_a_lora_adapter_is_told_by_its_files_not_its_name(tmp_path):
+    """One adapter under two names and folders is one; another adapter under the same name,
+    one rewritten in place, or one with another scaling is another; no adapter is ""."""
+    assert adapter_fingerprint(None) == ""
+    adapter = lora_adapter(tmp_path / "a", seed=1)
+    first = adapter_fingerprint(lora("support", adapter))
+    assert len(first) == 16
+    assert adapter_fingerprint(lora("helpdesk", shutil.copytree(adapter, tmp_path / "b"))) == first
+    assert adapter_fingerprint(lora("support", lora_adapter(tmp_path / "c", seed=2))) != first
+    shutil.rmtree(adapter)
+    lora_adapter(adapter, seed=2)  # reloaded in place: same name, same path, same sizes
+    assert adapter_fingerprint(lora("support", adapter)) not in ("", first)
+    config = adapter / "adapter_config.json"
+    config.write_text(config.read_text().replace('"lora_alpha": 16', '"lora_alpha": 32'))
+    scaled = adapter_fingerprint(lora("support", adapter))
+    assert scaled != adapter_fingerprint(lora("support", lora_adapter(tmp_path / "d", seed=2)))
+
+
+def test_an_adapter_whose_files_are_not_here_is_told_by_its_name(tmp_path):
+    assert adapter_fingerprint(lora("support", tmp_path / "absent")) == "name:support"
+    assert adapter_fingerprint(lora("support", "")) == "name:support"

@@ -309,6 +309,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     lease_s: float  # the prefill frees the region this long after the last renewal
     expires_at: float  # unix time the lease ends unless renewed
     group_starts: tuple[int, ...] = ()  # first token staged per KV cache group (): all 0
+    adapter: str = ""  # the LoRA adapter that computed it (model_weights); "": the base model
     # Set: nothing was staged; read these blocks of the prefill's KV cache (its
     # `SharedCache`), which it holds until the region at ``staging_offset`` is released.
     block_ids: tuple[int, ...] = ()

@@ -15,6 +15,7 @@ from vllm_qaic_connector.kv.kv_groups import (
     tokens_to_load,
 )
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
@@ -71,6 +72,11 @@ class DecodeLoads:
             if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
                 raise ValueError(
                     "kv_transfer_params were staged for another prompt (prompt_hash differs)"
+                )
+            if (adapter := adapter_fingerprint(request.lora_request)) != parsed.adapter:
+                raise ValueError(
+                    f"the prefill computed this KV with {_weights(parsed.adapter)}, this "
+                    f"request runs {_weights(adapter)}: other weights, other KV"
                 )
             remote = parsed  # only a ticket that checks out is used, renewed or released
             self.renewer.want(request.request_id, remote)
@@ -132,3 +138,7 @@ class DecodeLoads:
 
     def close(self) -> None:
         self.renewer.close()
+
+
+def _weights(adapter: str) -> str:
+    return f"LoRA adapter {adapter}" if adapter else "the base model (no LoRA adapter)"

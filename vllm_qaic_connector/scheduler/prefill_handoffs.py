@@ -25,6 +25,7 @@ from vllm_qaic_connector.kv.kv_groups import (
 )
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
@@ -336,6 +337,7 @@ class PrefillHandoffs:
             incarnation=self.ranks[0].incarnation if self.ranks else "",
             generation=spec.generation,
             prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
+            adapter=adapter_fingerprint(request.lora_request),
             lease_s=round(self.cfg.lease_s, 3),  # whole ms: see ticket_mac
             expires_at=round(time.time() + self.pool.expires_in(request.request_id), 3),
             group_starts=spec.starts if any(spec.starts) else (),

@@ -13,16 +13,16 @@ from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.kv.layout_probe import resolved_layout, verify_vllm_cpu_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.model_weights import (
+    checkpoint_fingerprint,
+    checkpoint_folder,
+    kv_settings,
+)
 from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
     SharedCache,
     TransportEndpoint,
     compat_hash,
-)
-from vllm_qaic_connector.worker.model_weights import (
-    checkpoint_fingerprint,
-    checkpoint_folder,
-    kv_settings,
 )
 from vllm_qaic_connector.worker.this_rank import LocalCache, RankIdentity
 

@@ -1,4 +1,5 @@
-"""Which weights compute this engine's KV, as a fingerprint its handshake carries.
+"""Which weights compute the KV: the checkpoint's fingerprint (the handshake carries it) and
+a request's LoRA adapter's (its ticket carries it).
 
 Peers may share KV only if the same weights computed it. A model's name cannot say so: a
 rolling upgrade replaces the weights under the same path (and, measured, the decode then
@@ -12,7 +13,8 @@ its start, middle and end; for any other weights file, its size and 4 KiB at 64 
 That is three small reads per tensor, milliseconds from the page cache. A fine-tune, a
 merged adapter or a re-quantized checkpoint rewrites every tensor it touches; a change
 that spares every sampled byte is missed. The model's quantization and RoPE settings (which
-``hf_overrides`` can change) are part of it too.
+``hf_overrides`` can change) are part of it too. An adapter's config (rank, scaling,
+target modules) is part of its fingerprint.
 """
 
 from __future__ import annotations
@@ -92,3 +94,23 @@ def checkpoint_folder(model: str, revision: str | None, download_dir: str | None
     except Exception:  # not in the hub cache: no fingerprint, not an error
         return None
     return Path(path)
+
+
+_adapters: dict[tuple[str, ...], str] = {}  # by the adapter's files' names, sizes and times
+
+
+def adapter_fingerprint(lora: Any) -> str:
+    """The fingerprint of a request's LoRA adapter (a ``LoRARequest``), "" for the base
+    model; its name where its files are not on this host. Recomputed when its files
+    change: an adapter reloaded in place under its name computes other KV."""
+    if lora is None:
+        return ""
+    folder = checkpoint_folder(lora.lora_path, None, None) if lora.lora_path else None
+    files = sorted(folder.iterdir()) if folder is not None else []
+    key = (lora.lora_name, *(f"{p}|{p.stat().st_size}|{p.stat().st_mtime_ns}" for p in files))
+    if key not in _adapters:
+        config = folder / "adapter_config.json" if folder is not None else None
+        settings = config.read_text() if config is not None and config.is_file() else ""
+        found = checkpoint_fingerprint(folder, settings) if folder is not None else ""
+        _adapters[key] = found or f"name:{lora.lora_name}"
+    return _adapters[key]
