@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -306,7 +307,8 @@ def check_stale_ticket(c: Cluster, direct: bool = False) -> None:
 def check_forged_ticket(c: Cluster) -> None:
     """Issue #10 row 1: params a client forged (B's KV under A's prompt hash, which a decode
     without signed tickets would load: B's answer for A) or edited are refused before the
-    decode reads anything, by policy, and never reach its prefix cache."""
+    decode reads anything, by policy, and never reach its prefix cache. A ticket sent to
+    another host loads nothing either."""
     c.ensure(c.prefill, c.decode, c.decode_fail)
     (pa, aa), (pb, _) = c.prompts(2, tokens=200)
     ids_a = token_ids(c.prefill.url, pa)
@@ -314,8 +316,10 @@ def check_forged_ticket(c: Cluster) -> None:
     n = min(len(ids_a), params_b["num_tokens"])
     forged = {**params_b, "num_tokens": n, "prompt_hash": prompt_hash(ids_a[:n])}
     edited = {**params_a, "generation": params_a["generation"] + 1}
+    # The host is the router's to name (unsigned): there, no engine proves the signed one.
+    redirected = {**stage(c.prefill.url, pa), "remote_host": "127.0.0.2"}
     failures0, loaded0 = c.decode.metric(LOAD_FAILURES, 0.0), c.decode.metric(LOADED, 0.0)
-    answers = [ask(c.decode.url, pa, aa, p) for p in (forged, edited)]
+    answers = [ask(c.decode.url, pa, aa, p) for p in (forged, edited, redirected)]
     refused = ask(c.decode_fail.url, pa, aa, forged)
     own = ask(c.decode.url, pa, aa, stage(c.prefill.url, pa))  # A with its own fresh ticket
     time.sleep(1.0)
@@ -329,10 +333,10 @@ def check_forged_ticket(c: Cluster) -> None:
         load_failures=failures,
         loaded=loaded,
     )
-    assert [a.verdict for a in answers] == ["correct", "correct"], [a.brief() for a in answers]
+    assert [a.verdict for a in answers] == ["correct"] * 3, [a.brief() for a in answers]
     assert refused.verdict == "error", f"policy fail: want a clean error, got {refused.brief()}"
     assert own.verdict == "correct", own.brief()
-    assert failures >= 2, "the forged tickets were not load errors"
+    assert failures >= 3, "the forged tickets were not load errors"
     assert loaded >= 1, "A's own signed ticket did not load"
 
 
@@ -946,6 +950,39 @@ class TestNixl:
 
     def test_g_forged_ticket(self, nixl_cluster: Cluster) -> None:
         check_forged_ticket(nixl_cluster)
+
+    def test_h_production_stack_router_request_sequence(self, nixl_cluster: Cluster) -> None:
+        """As vLLM production-stack's router drives a pair (``--routing-logic
+        disaggregated_prefill_orchestrated``): the prefill leg is the client's body with
+        NixlConnector's params and ``max_tokens`` 1, not streamed; the decode leg is the
+        client's body with the prefill's params, their ``remote_host`` overwritten with the
+        host of the prefill's URL (it reaches the prefill as ``localhost`` here); the same
+        ``X-Request-Id`` on both. Signed tickets load. Before, the MAC covered the host, so
+        every ticket this router passed was refused and its prompt recomputed."""
+        c = nixl_cluster
+        c.ensure(c.prefill, c.decode)
+        prefill_url = c.prefill.url.replace("127.0.0.1", "localhost")
+        loaded0, failed0 = (c.decode.metric(n, 0.0) for n in (LOADED, LOAD_FAILURES))
+        for i, (prompt, answer) in enumerate(c.prompts(3)):
+            headers = {"X-Request-Id": f"stack-{c.prompt_seed}-{i}"}
+            client = completion_body(prompt)
+            prefill_leg = {**client, "max_tokens": 1, "stream": False,
+                           "kv_transfer_params": ROUTER_PARAMS}  # fmt: skip
+            r = requests.post(f"{prefill_url}/v1/completions", json=prefill_leg,
+                              headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+            assert r.status_code == 200, r.text[:300]
+            params = r.json()["kv_transfer_params"]
+            assert params["remote_host"] != "localhost"  # the router's edit is one
+            params["remote_host"] = urlsplit(prefill_url).hostname
+            decode_leg = {**client, "kv_transfer_params": params}
+            r = requests.post(f"{c.decode.url}/v1/completions", json=decode_leg,
+                              headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+            assert r.status_code == 200 and is_correct(r.json(), answer), r.text[:300]
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        loaded, failed = (c.decode.metric(n, 0.0) - v for n, v in
+                          ((LOADED, loaded0), (LOAD_FAILURES, failed0)))  # fmt: skip
+        say("production-stack router", loaded=loaded, load_failures=failed)
+        assert (loaded, failed) == (3, 0)
 
     def test_e_prefill_sigkill_before_read(self, nixl_cluster: Cluster) -> None:
         """Over NIXL this is also a transport error mid-transfer: the decode that met the

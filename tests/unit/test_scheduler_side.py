@@ -499,13 +499,15 @@ def signed_pair(monkeypatch, key: str):
         {"remote_request_id": "someone-else"},
         {"expires_at": time.time() + 3600},
         {"remote_port": 2},
+        {"remote_engine_id": "another-engine"},
+        {"adapter": "0123456789abcdef"},
         {"ticket_mac": ""},
         {"ticket_mac": "00" * 32},
     ],
 )
 def test_edited_signed_ticket_is_a_load_error(monkeypatch, edit):
-    """With a key, every field of the returned params is signed: an edit is refused before
-    the decode contacts anyone, and the untouched ticket still works."""
+    """With a key, every field of the returned params but the host is signed: an edit is
+    refused before the decode contacts anyone, and the untouched ticket still works."""
     sched = signed_pair(monkeypatch, "k" * 32)
     decode = make_scheduler("kv_consumer", BS, engine_id="dec")
     try:

@@ -193,3 +193,17 @@ def test_a_signed_ticket_survives_a_router_that_rewrites_floats():
     # An edit of the expiry by a millisecond still breaks it.
     edited = msgspec.structs.replace(signed, expires_at=signed.expires_at + 0.001)
     assert "does not match" in (ticket_problem(edited, key) or "")
+
+
+def test_a_signed_ticket_survives_a_router_that_names_the_prefill_s_host():
+    """production-stack's router sets ``remote_host`` to the host it reaches the prefill by;
+    the engine, its start and the port stay signed (the handshake proves the first two)."""
+    key = b"k" * 32
+    ticket = parse_remote_prefill({**good_params(), "expires_at": time.time() + 60})
+    signed = msgspec.structs.replace(ticket, ticket_mac=ticket_mac(ticket, key))
+    routed = msgspec.structs.replace(signed, remote_host="prefill-0.pool.svc")
+    assert ticket_problem(routed, key) is None
+    for edit in ({"remote_engine_id": "other"}, {"incarnation": "0" * 16}, {"remote_port": 2},
+                 {"adapter": "0" * 16}):  # fmt: skip
+        edited = msgspec.structs.replace(routed, **edit)  # type: ignore[arg-type]
+        assert "does not match" in (ticket_problem(edited, key) or ""), edit

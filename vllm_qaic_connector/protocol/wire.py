@@ -317,12 +317,15 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def ticket_mac(params: RemotePrefill, key: bytes) -> str:
-    """The MAC a prefill puts on the params it returns: over every field but the MAC, so an
-    edited engine, request, offset, size, generation, prompt or expiry fails it. Times count
-    in whole milliseconds (tickets carry them so): a router that re-serialises JSON numbers
-    (vllm-router: floats come back 1 ULP off) leaves the MAC whole."""
+    """The MAC a prefill puts on the params it returns: over every field but the MAC and
+    the host, so an edited engine, start, request, offset, size, generation, prompt or
+    expiry fails it. The host is the router's to name: production-stack's router overwrites
+    it with the host it reaches the prefill by. Whatever answers there must prove the
+    signed engine and start in a handshake only key holders can answer, so another host
+    yields no KV. Times count in whole milliseconds (tickets carry them so): a router that
+    re-serialises JSON numbers (vllm-router: floats come back 1 ULP off) leaves it whole."""
     unsigned = msgspec.structs.replace(
-        params, do_remote_prefill=True, ticket_mac="",
+        params, do_remote_prefill=True, ticket_mac="", remote_host="",
         lease_s=round(params.lease_s * 1000), expires_at=round(params.expires_at * 1000),
     )  # fmt: skip
     return _mac(key, b"ticket", _encoder.encode(unsigned)).hex()
