@@ -125,11 +125,16 @@ class Proxy:
     # --- legs -----------------------------------------------------------------------------
 
     async def _open(
-        self, leg: str, url: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+        self,
+        leg: str,
+        url: str,
+        body: dict[str, Any],
+        timeout: aiohttp.ClientTimeout,
+        auth: dict[str, str],
     ) -> aiohttp.ClientResponse:
         assert self._session is not None
         try:
-            return await self._session.post(url, json=body, timeout=timeout)
+            return await self._session.post(url, json=body, timeout=timeout, headers=auth)
         except asyncio.TimeoutError:
             raise LegError(504, f"{leg} leg {url} timed out") from None
         except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
@@ -180,9 +185,11 @@ class Proxy:
                 logger.warning("%s; trying the next", exc)
         raise AssertionError("no backend tried")
 
-    async def _prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill(
+        self, url: str, body: dict[str, Any], auth: dict[str, str]
+    ) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s)
-        resp = await self._open("prefill", url, body, timeout)
+        resp = await self._open("prefill", url, body, timeout, auth)
         return await self._json("prefill", url, resp)
 
     def _release(self, params: dict[str, Any]) -> None:
@@ -215,7 +222,7 @@ class Proxy:
         has taken the request); False when the client went away. Then the decode's
         connection is closed, which aborts the request there."""
         timeout = aiohttp.ClientTimeout(sock_read=self.decode_timeout_s)
-        resp = await self._open("decode", url, body, timeout)
+        resp = await self._open("decode", url, body, timeout, credentials(request))
         if resp.status != 200 or "json" in resp.content_type:
             await self._json("decode", url, resp)  # raises: a stream answers 200 with events
             raise LegError(502, f"decode leg {url} answered a stream request with JSON")
@@ -280,6 +287,7 @@ class Proxy:
         """One prompt through a prefill leg and a decode leg; the decode leg alone for a
         request that scores its prompt (vLLM computes it whole, reading no cache)."""
         prefill_url, decode_url = self.router.route()
+        auth = credentials(request)
         first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
         params: dict[str, Any] | None = None
         first: FirstToken | None = None
@@ -294,7 +302,7 @@ class Proxy:
                 prefilled = await self._failover(
                     self.router.prefills,
                     prefill_url,
-                    lambda url: self._prefill(url + request.path, to_prefill),
+                    lambda url: self._prefill(url + request.path, to_prefill, auth),
                 )
                 # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
                 took_ms = (time.monotonic() - started) * 1e3
@@ -306,7 +314,8 @@ class Proxy:
                         error_body(503, str(params["error"]), "KVHandoffError"), status=503
                     )
                 if first_from_prefill:
-                    first = FirstToken.of(prefilled, body, await self._context(decode_url))
+                    context = await self._context(decode_url, auth)
+                    first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing)
             if first is not None:
@@ -323,7 +332,7 @@ class Proxy:
             answer = await self._failover(
                 self.router.decodes,
                 decode_url,
-                lambda url: self._decode(url, request.path, to_decode),
+                lambda url: self._decode(url, request.path, to_decode, auth),
             )
             done = True
             return web.json_response(first.joined(answer) if first else answer, headers=timing)
@@ -333,17 +342,20 @@ class Proxy:
             if not done and isinstance(params, dict):
                 self._release(params)
 
-    async def _context(self, decode_url: str) -> int | None:
+    async def _context(self, decode_url: str, auth: dict[str, str]) -> int | None:
         """The decode's max_model_len, from its /v1/models once; None where it names none
         (a decode without that route, the QAIC emulator's, is not asked again; one that did
-        not answer is)."""
+        not answer, or refused the client's credentials, is)."""
         if decode_url not in self._contexts:
             assert self._session is not None
             timeout = aiohttp.ClientTimeout(total=5)
+            url = decode_url + "/v1/models"
             try:
-                async with self._session.get(decode_url + "/v1/models", timeout=timeout) as resp:
+                async with self._session.get(url, timeout=timeout, headers=auth) as resp:
                     text = await resp.text()
             except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None
+            if resp.status in (401, 403):
                 return None
             found = None
             with contextlib.suppress(ValueError, LookupError, TypeError):  # not vLLM's card
@@ -351,11 +363,12 @@ class Proxy:
             self._contexts[decode_url] = found if isinstance(found, int) else None
         return self._contexts[decode_url]
 
-    async def _decode(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _decode(
+        self, url: str, path: str, body: dict[str, Any], auth: dict[str, str]
+    ) -> dict[str, Any]:
         timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
-        return await self._json(
-            "decode", url, await self._open("decode", url + path, body, timeout)
-        )
+        resp = await self._open("decode", url + path, body, timeout, auth)
+        return await self._json("decode", url, resp)
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
@@ -370,11 +383,12 @@ class Proxy:
             await out.write_eof()
         return out
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
         assert self._session is not None
         url = self.router.decodes.pick() + "/v1/models"
+        timeout, auth = aiohttp.ClientTimeout(total=10), credentials(request)
         try:
-            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with self._session.get(url, timeout=timeout, headers=auth) as resp:
                 return web.json_response(await resp.json(content_type=None), status=resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return web.json_response(error_body(503, f"decode {url}: {exc}"), status=503)
@@ -417,6 +431,12 @@ class Proxy:
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
+
+
+def credentials(request: web.Request) -> dict[str, str]:
+    """The client's credentials, for the backends to check (``vllm serve --api-key``)."""
+    auth = request.headers.get("Authorization")
+    return {"Authorization": auth} if auth else {}
 
 
 def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:

@@ -866,6 +866,48 @@ class TestShm:
                 server.kill(signal.SIGTERM)
                 server.wait_gone(15)
 
+    def test_q_the_proxy_before_engines_that_check_an_api_key(self, shm_cluster: Cluster) -> None:
+        """Engines served with ``--api-key`` (as most deployments run them) behind the proxy:
+        the client's ``Authorization`` reaches both legs and the decode's ``/v1/models``, so
+        keyed requests are answered right (streamed or not) and handed off, and a request
+        without the key gets vLLM's own 401. Before, the proxy sent no credentials, and
+        every request got 401."""
+        c = shm_cluster
+        key = ["--api-key", f"key-{c.prompt_seed}"]
+        auth = {"Authorization": f"Bearer key-{c.prompt_seed}"}
+
+        def serve(name: str, core: str, role: str) -> VllmServer:
+            kv = kv_config(role, c.run.engine_id(name), free_port(), "shm")
+            return c.run.vllm(name, core, kv, extra_args=key)
+
+        prefill = serve("key-prefill", "0", "kv_producer")
+        decode = serve("key-decode", "1", "kv_consumer")
+        proxy = c.run.proxy([prefill.url], [decode.url], [decode.side_channel])
+        wait_all_ready(prefill, decode, proxy)
+        try:
+            pairs = c.prompts(4)
+            for i, (prompt, answer) in enumerate(pairs):
+                body = {**completion_body(prompt), "stream": i % 2 == 1}
+                r = requests.post(f"{proxy.url}/v1/completions", json=body, headers=auth,
+                                  timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+                assert r.status_code == 200, r.text[:300]
+                text = r.json()["choices"][0]["text"] if i % 2 == 0 else "".join(
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in r.text.splitlines() if line.startswith("data: {")
+                )  # fmt: skip
+                assert is_correct({"choices": [{"text": text}]}, answer), text
+            models = requests.get(f"{proxy.url}/v1/models", headers=auth, timeout=10)
+            bare = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
+            time.sleep(1.0)  # the last step's connector stats reach /metrics
+            loaded = decode.metric(LOADED, 0.0)
+            say("engines with --api-key", loaded=loaded, models=models.status_code,
+                without_key=bare.status_code)  # fmt: skip
+            assert (loaded, models.status_code, bare.status_code) == (4, 200, 401)
+        finally:
+            for server in (proxy, prefill, decode):
+                server.kill(signal.SIGTERM)
+                server.wait_gone(15)
+
     def test_o_a_decode_sigkilled_behind_the_proxy_costs_its_requests_a_retry(
         self, shm_cluster: Cluster
     ) -> None:
