@@ -8,7 +8,8 @@ The output layer is scaled (``--sharpen``) so that the top logit leads by far mo
 float32 rounding: two servers that compute the same KV agree token for token, and one that
 computes other KV does not.
 
-    python scripts/make_random_model.py OUT_DIR [--arch llama|qwen3|gemma3|granite_hybrid]
+    python scripts/make_random_model.py OUT_DIR
+        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2]
         [--tokenizer byte_level|sentencepiece]
 
 - llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
@@ -17,6 +18,8 @@ computes other KV does not.
   hybrid (two-group) KV cache.
 - granite_hybrid: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV
   cache group plus a Mamba state group.
+- deepseek_v2: multi-head latent attention, which the connector refuses by name (vLLM's
+  CPU MLA kernel does not run here either: "Unsupported block size: 16").
 
 Tokenizers, the two families models ship:
 - byte_level: GPT-2's, as Llama 3, Qwen and GPT-NeoX models have it.
@@ -36,6 +39,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GraniteMoeHybridConfig,
@@ -198,7 +203,33 @@ def granite_hybrid(vocab: int) -> PreTrainedModel:
     return GraniteMoeHybridForCausalLM(cfg)
 
 
-ARCHS = {"llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid}
+def deepseek_v2(vocab: int) -> PreTrainedModel:
+    """Multi-head latent attention (MLA): each layer caches one compressed latent (256) and
+    a shared RoPE key (64) per token, not per-head K and V (320: a size vLLM's MLA kernels
+    take). Dense MLPs."""
+    sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
+    cfg = DeepseekV2Config(
+        **sizes,
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        kv_lora_rank=256,
+        q_lora_rank=None,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        first_k_dense_replace=3,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        architectures=["DeepseekV2ForCausalLM"],
+    )
+    return DeepseekV2ForCausalLM(cfg)
+
+
+ARCHS = {
+    "llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid,
+    "deepseek_v2": deepseek_v2,
+}  # fmt: skip
 
 
 def main(

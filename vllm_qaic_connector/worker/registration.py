@@ -3,6 +3,7 @@ vLLM registered with it, and what its handshake tells peers about both."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -101,6 +102,13 @@ def local_cache(
     names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
     tensors = [kv_caches[n] for n in names]
     layout = layout or resolved_layout(layout_name)
+    for name, t in zip(names, tensors, strict=True):  # a cache we cannot read: say so
+        want = layout.physical_shape(t.shape[layout.block_dim], geometry)
+        if t.numel() != math.prod(want):
+            raise ValueError(
+                f"QAICConnector: layer {name}'s KV cache has shape {tuple(t.shape)}, not the "
+                f"{want} of layout {layout.kind} for {geometry}"
+            )
     if layout.kind == "vllm_cpu" and verify_cpu_layout:
         verify_vllm_cpu_layout(geometry.block_size, geometry.head_size, geometry.dtype)
     state = None
