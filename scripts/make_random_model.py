@@ -9,7 +9,7 @@ float32 rounding: two servers that compute the same KV agree token for token, an
 computes other KV does not.
 
     python scripts/make_random_model.py OUT_DIR
-        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2]
+        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2|llama_8b_kv]
         [--tokenizer byte_level|sentencepiece]
 
 - llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
@@ -18,6 +18,8 @@ computes other KV does not.
   hybrid (two-group) KV cache.
 - granite_hybrid: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV
   cache group plus a Mamba state group.
+- llama_8b_kv: Llama-3-8B's KV bytes per token (32 layers, 8 KV heads of 128, bfloat16)
+  on a narrow model.
 - deepseek_v2: multi-head latent attention, which the connector refuses by name (vLLM's
   CPU MLA kernel does not run here either: "Unsupported block size: 16").
 
@@ -203,6 +205,15 @@ def granite_hybrid(vocab: int) -> PreTrainedModel:
     return GraniteMoeHybridForCausalLM(cfg)
 
 
+def llama_8b_kv(vocab: int) -> PreTrainedModel:
+    """Llama-3-8B's KV per token (32 layers of 8 KV heads of 128, bfloat16: 128 KiB) on a
+    narrow model that computes fast: sizes sized for the tiny model do not hold it."""
+    sizes = {**shared(vocab), "num_attention_heads": 8, "head_dim": 128}
+    sizes.update(torch_dtype="bfloat16", max_position_embeddings=8192)
+    model = LlamaForCausalLM(LlamaConfig(**sizes, num_hidden_layers=32, num_key_value_heads=8))
+    return model.to(torch.bfloat16)
+
+
 def deepseek_v2(vocab: int) -> PreTrainedModel:
     """Multi-head latent attention (MLA): each layer caches one compressed latent (256) and
     a shared RoPE key (64) per token, not per-head K and V (320: a size vLLM's MLA kernels
@@ -228,7 +239,7 @@ def deepseek_v2(vocab: int) -> PreTrainedModel:
 
 ARCHS = {
     "llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid,
-    "deepseek_v2": deepseek_v2,
+    "deepseek_v2": deepseek_v2, "llama_8b_kv": llama_8b_kv,
 }  # fmt: skip
 
 

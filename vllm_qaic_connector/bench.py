@@ -122,17 +122,12 @@ class Case(NamedTuple):
     dst: Cache  # the decode's KV cache, or its QAIC KV buffers and [slot]
 
 
-def kv_cache(shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool) -> Cache:
-    """(views, shuffled block ids) of a cache of exactly ``n`` tokens' blocks; ``fill``:
-    random bytes, each layer different."""
-    layers, blocks = layers_of(shape, fmt, n, gen, fill)
-    return [get_layout(fmt[0]).kv_views(t, shape.geo(fmt, n)) for t in layers], blocks
-
-
-def layers_of(
+def kv_cache(
     shape: Shape, fmt: Fmt, n: int, gen: torch.Generator, fill: bool
-) -> tuple[list[torch.Tensor], list[int]]:
-    """``kv_cache``'s physical layer tensors: one allocation, as vLLM makes it."""
+) -> tuple[list[torch.Tensor], Cache]:
+    """A cache of exactly ``n`` tokens' blocks, one allocation as vLLM makes it: its layer
+    tensors, and (their views, shuffled block ids); ``fill``: random bytes, each layer
+    different."""
     geo, layout = shape.geo(fmt, n), get_layout(fmt[0])
     nb = blocks_for_tokens(n, geo.block_size)
     dims = (shape.layers, *layout.physical_shape(nb, geo))
@@ -143,7 +138,8 @@ def layers_of(
         for i, t in enumerate(physical):
             t.view(-1).view(torch.uint8).copy_(pool[i : i + size])
     layers = [layout.layer_view(t) for t in physical]
-    return layers, torch.randperm(nb, generator=gen).tolist()
+    views = [layout.kv_views(t, geo) for t in layers]
+    return layers, (views, torch.randperm(nb, generator=gen).tolist())
 
 
 def transports(kind: str, nbytes: int, stack: ExitStack) -> list[KVTransport]:
@@ -168,7 +164,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     if path.direct:
         return direct_case(path, shape, n, stack)
     gen = torch.Generator().manual_seed(n)
-    src, src_blocks = kv_cache(shape, path.prefill, n, gen, fill=True)
+    _, (src, src_blocks) = kv_cache(shape, path.prefill, n, gen, fill=True)
     fmt = StagingFormat(path.staged[0], shape.geo(path.staged, n), shape.layers)
     nbytes = HEADER_BYTES + fmt.request_bytes(n)
     owner, reader = transports(path.transport, nbytes, stack)
@@ -199,7 +195,7 @@ def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             pull = lambda: puller.pull(slot, peer, 0, fmt.geometry, n, GENERATION, notify)  # noqa: E731
             return Case(save, pull, (src, src_blocks), (dst, dst_blocks))
     else:
-        dst, dst_blocks = kv_cache(shape, path.decode, n, gen, fill=False)
+        _, (dst, dst_blocks) = kv_cache(shape, path.decode, n, gen, fill=False)
 
         def write(views: list[KV]) -> None:
             pool.layers(views, staged_blocks, dst, dst_blocks, 0, n)
@@ -216,9 +212,8 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
     the ticket is a header-only staging region."""
     gen = torch.Generator().manual_seed(n)
     geo, layout = shape.geo(path.prefill, n), get_layout(path.prefill[0])
-    prefill_layers, src_blocks = layers_of(shape, path.prefill, n, gen, fill=True)
-    decode_layers, dst_blocks = layers_of(shape, path.decode, n, gen, fill=False)
-    dst = [get_layout(path.decode[0]).kv_views(t, shape.geo(path.decode, n)) for t in decode_layers]
+    prefill_layers, (src, src_blocks) = kv_cache(shape, path.prefill, n, gen, fill=True)
+    decode_layers, (dst, dst_blocks) = kv_cache(shape, path.decode, n, gen, fill=False)
     owner, reader = transports(path.transport, HEADER_BYTES, stack)
     headers = RegionHeaders(owner.staging)
     shared = owner.share_kv_cache(prefill_layers, produces=True)
@@ -253,7 +248,6 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
         with checked_region(reader, peer, 0, GENERATION, notify):
             move()
 
-    src = [layout.kv_views(t, geo) for t in prefill_layers]
     return Case(save, load, (src, src_blocks), (dst, dst_blocks))
 
 

@@ -8,7 +8,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
+
+logger = get_logger(__name__)
+DEFAULT_STAGING_BYTES = 256 << 20  # the pool's floor
+MAX_BLOCK_TOKENS = 1024  # the largest decode block a staged prompt's layers round up to
 
 
 class ConnectorConfig(
@@ -24,7 +29,7 @@ class ConnectorConfig(
     side_channel_key: str | None = None  # refused: see __post_init__
     side_channel_key_file: str | None = None
     allow_unauthenticated: bool = False
-    staging_bytes: int = 256 << 20
+    staging_bytes: int | None = None  # None: sized_staging() sizes it for the model
     staging_page_bytes: int = 256 << 10
     staging_wait_s: float = 5.0
     lease_s: float = 120.0
@@ -54,7 +59,7 @@ class ConnectorConfig(
                 f"side_channel_key_file (mode 0600) or in ${KEY_ENV}"
             )
         positive = {
-            "staging_bytes": self.staging_bytes,
+            "staging_bytes": self.pool_bytes,
             "staging_page_bytes": self.staging_page_bytes,
             "lease_s": self.lease_s,
             "handshake_timeout_s": self.handshake_timeout_s,
@@ -65,10 +70,10 @@ class ConnectorConfig(
                 raise ValueError(f"{key} must be > 0, got {value}")
         if self.staging_wait_s < 0:
             raise ValueError("staging_wait_s must be >= 0")
-        if self.staging_bytes < self.staging_page_bytes:
+        if self.pool_bytes < self.staging_page_bytes:
             raise ValueError(
                 "staging_bytes must hold at least one page "
-                f"({self.staging_bytes} < staging_page_bytes={self.staging_page_bytes})"
+                f"({self.pool_bytes} < staging_page_bytes={self.staging_page_bytes})"
             )
         if not 0 <= self.side_channel_port < 65536:
             raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
@@ -86,13 +91,41 @@ class ConnectorConfig(
         return [(h, int(p)) for h, _, p in (peer.rpartition(":") for peer in self.decode_peers)]
 
     @property
+    def pool_bytes(self) -> int:
+        return DEFAULT_STAGING_BYTES if self.staging_bytes is None else self.staging_bytes
+
+    @property
     def num_staging_pages(self) -> int:
-        return self.staging_bytes // self.staging_page_bytes
+        return self.pool_bytes // self.staging_page_bytes
 
     @cached_property
     def shared_key(self) -> bytes | None:
         """Read once: `parse_config` reads it first, so a bad key fails start-up by name."""
         return load_key(self.side_channel_key_file)
+
+
+def sized_staging(cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
+    """``staging_bytes`` where unset: room for one prompt that fills the context (vLLM's own
+    per-request bound for each layer, plus a decode block's rounding), at least 256 MiB.
+    Both halves size it alike. A fixed 256 MiB held 2,048 tokens of Llama-3-8B's KV, and
+    longer prompts were never handed off. A smaller pool set by hand is logged."""
+    need = cfg.staging_page_bytes  # the region header's page
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        rounding = MAX_BLOCK_TOKENS * spec.page_size_bytes // spec.block_size
+        per_layer = spec.max_memory_usage_bytes(vllm_config)
+        need += len(group.layer_names) * (per_layer + (rounding if spec.block_size > 1 else 0))
+    if cfg.staging_bytes is not None:
+        if cfg.staging_bytes < need:
+            logger.warning(
+                "QAICConnector: staging_bytes=%d is less than a prompt of max_model_len=%d "
+                "needs (%d): longer prompts are not handed off",
+                cfg.staging_bytes, vllm_config.model_config.max_model_len, need,
+            )  # fmt: skip
+        return cfg
+    pages = -(-need // cfg.staging_page_bytes)
+    sized = max(DEFAULT_STAGING_BYTES, pages * cfg.staging_page_bytes)
+    return msgspec.structs.replace(cfg, staging_bytes=sized)
 
 
 def is_loopback(host: str) -> bool:

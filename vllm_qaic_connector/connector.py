@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.config import parse_config, sized_staging
 from vllm_qaic_connector.scheduler.scheduler_side import SchedulerSide
 from vllm_qaic_connector.stats import QAICConnectorStats, QAICPromMetrics
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
@@ -49,7 +49,8 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
                 "V3, Kimi-K2): its KV cache holds one latent per token, not the per-head K and V "
                 "this connector stages and converts. Serve such models with NixlConnector."
             )
-        cfg = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        cfg = sized_staging(parse_config(extra), vllm_config, kv_cache_config)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -109,13 +109,12 @@ class QAICPromMetrics(KVConnectorPromMetrics):
             documentation=PER_PEER_DOC,
             labelnames=[*labelnames, "remote_engine"],
         )
-        self._labelvalues: dict[int, list[object]] = per_engine_labelvalues
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():
             if name.startswith(PER_PEER_PREFIX):
                 peer = name[len(PER_PEER_PREFIX) :]
-                self._per_peer.labels(*self._labelvalues[engine_idx], peer).inc(value)
+                self._per_peer.labels(*self.per_engine_labelvalues[engine_idx], peer).inc(value)
             elif name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
             elif name in self._histograms:

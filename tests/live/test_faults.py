@@ -54,6 +54,7 @@ from testbed.live_servers import (
     model_copy,
     outcome,
     poll_until,
+    random_model,
     stage,
     stream_completion,
     token_ids,
@@ -1025,6 +1026,48 @@ class TestNixl:
                           ((LOADED, loaded0), (LOAD_FAILURES, failed0)))  # fmt: skip
         say("production-stack router", loaded=loaded, load_failures=failed)
         assert (loaded, failed) == (3, 0)
+
+    def test_i_a_long_prompt_of_a_model_with_llama_3_8b_s_kv_is_handed_off(
+        self, nixl_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+    ) -> None:
+        """A model whose KV per token is Llama-3-8B's (128 KiB), a 3,000-token prompt, over
+        NIXL with the default configuration: staged, loaded, and answered as the decode
+        alone answers it. Before, the staging pool was a fixed 256 MiB (2,048 such tokens):
+        every longer prompt got HTTP 503 through the proxy."""
+        c = nixl_cluster
+        model = random_model(tmp_path_factory, "llama_8b_kv")
+        context = ["--max-model-len", "4096"]
+
+        def serve(name: str, core: str, role: str) -> VllmServer:
+            kv = kv_config(role, c.run.engine_id(name), free_port(), "nixl")
+            return c.run.vllm(name, core, kv, extra_args=context, model=model)
+
+        prefill, decode = (
+            serve("8b-prefill", "0", "kv_producer"),
+            serve("8b-decode", "1", "kv_consumer"),
+        )
+        proxy = c.run.proxy([prefill.url], [decode.url], [decode.side_channel])
+        wait_all_ready(prefill, decode, proxy)
+        try:
+            text = " ".join(p for p, _ in c.prompts(100))
+            ids = token_ids(decode.url, text)
+            body = {"model": "model", "prompt": (ids * (3000 // len(ids) + 1))[:3000],
+                    "max_tokens": 8, "temperature": 0.0}  # fmt: skip
+            r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
+            assert r.status_code == 200, r.text[:300]
+            alone = {**body, "cache_salt": f"alone-{time.monotonic_ns()}"}
+            want = requests.post(
+                f"{decode.url}/v1/completions", json=alone, timeout=CLIENT_TIMEOUT_S
+            )
+            time.sleep(1.0)  # the last step's connector stats reach /metrics
+            tokens, loaded = r.json()["usage"]["prompt_tokens"], decode.metric(LOADED, 0.0)
+            say("Llama-3-8B's KV over NIXL", prompt_tokens=tokens, loaded=loaded)
+            assert tokens > 2048 and loaded == 1
+            assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        finally:
+            for server in (proxy, prefill, decode):
+                server.kill(signal.SIGTERM)
+                server.wait_gone(15)
 
     def test_e_prefill_sigkill_before_read(self, nixl_cluster: Cluster) -> None:
         """Over NIXL this is also a transport error mid-transfer: the decode that met the

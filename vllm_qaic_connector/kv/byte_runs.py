@@ -105,12 +105,8 @@ def plan_slot_reads(
     head_bytes = geo.block_size * row
     plane = geo.num_heads * head_bytes  # one layer's K (or V) of one slot, staged or target
     return merge_runs(
-        ByteRun(
-            (2 * layer + kind) * plane + h * head_bytes,
-            base + slot * plane + h * head_bytes,
-            num_tokens * row,
-        )  # fmt: skip
+        ByteRun((2 * layer + kind) * plane + head, base + slot * plane + head, num_tokens * row)
         for layer, pair in enumerate(buffers)
         for kind, base in enumerate(pair)
-        for h in range(geo.num_heads)
+        for head in range(0, plane, head_bytes)  # each head's first byte in a plane
     )

@@ -50,24 +50,16 @@ class CopyPool:
         return work(0, at) + second.result()
 
     def layers(
-        self,
-        src: Sequence[KV],
-        src_blocks: Sequence[int],
-        dst: Sequence[KV],
-        dst_blocks: Sequence[int],
-        t0: int,
-        t1: int,
-        heads: HeadRange | None = None,
+        self, src: Sequence[KV], src_blocks: Sequence[int], dst: Sequence[KV],
+        dst_blocks: Sequence[int], t0: int, t1: int, heads: HeadRange | None = None,
         dst_t0: int | None = None,
-    ) -> int:
+    ) -> int:  # fmt: skip
         """`copy_layers`, the second half of the layers on the other thread."""
         if src and dst and (src[0][0].is_cuda or dst[0][0].is_cuda):
             return self.device.layers(src, src_blocks, dst, dst_blocks, t0, t1, heads, dst_t0)
 
-        def part(lo: int, hi: int) -> int:
-            return copy_layers(
-                src[lo:hi], src_blocks, dst[lo:hi], dst_blocks, t0, t1, heads, dst_t0
-            )
+        def part(i: int, j: int) -> int:
+            return copy_layers(src[i:j], src_blocks, dst[i:j], dst_blocks, t0, t1, heads, dst_t0)
 
         return self.split(part, len(dst), tokens_bytes(dst, t0, t1, heads))
 

@@ -193,15 +193,9 @@ KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def copy_tokens(
-    src: KV,
-    src_blocks: Sequence[int],
-    dst: KV,
-    dst_blocks: Sequence[int],
-    t0: int,
-    t1: int,
-    heads: HeadRange | None = None,
-    dst_t0: int | None = None,
-) -> int:
+    src: KV, src_blocks: Sequence[int], dst: KV, dst_blocks: Sequence[int], t0: int, t1: int,
+    heads: HeadRange | None = None, dst_t0: int | None = None,
+) -> int:  # fmt: skip
     """Copy tokens ``[t0, t1)`` of ``heads`` from canonical views ``src`` to ``dst``.
 
     ``src_blocks[i]`` / ``dst_blocks[i]`` is the physical block holding logical block i.
@@ -211,15 +205,9 @@ def copy_tokens(
 
 
 def copy_layers(
-    src: Sequence[KV],
-    src_blocks: Sequence[int],
-    dst: Sequence[KV],
-    dst_blocks: Sequence[int],
-    t0: int,
-    t1: int,
-    heads: HeadRange | None = None,
-    dst_t0: int | None = None,
-) -> int:
+    src: Sequence[KV], src_blocks: Sequence[int], dst: Sequence[KV], dst_blocks: Sequence[int],
+    t0: int, t1: int, heads: HeadRange | None = None, dst_t0: int | None = None,
+) -> int:  # fmt: skip
     """`copy_tokens` for every layer pair of ``src`` and ``dst``: where the native row copy
     applies and the layers share strides (one allocation, as vLLM makes them), one call
     covers every layer, so the Python cost is per plan step, not per layer."""

@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_qaic_connector.kv.layout import (
-    KVGeometry,
-    KVLayout,
-    VllmCpuLayout,
-    gather_tokens,
-    get_layout,
-)
+from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout, gather_tokens, get_layout
 
 
 def write_with_vllm_op(
@@ -35,16 +29,14 @@ def write_with_vllm_op(
 def verify_vllm_cpu_layout(block_size: int, head_size: int, dtype: torch.dtype) -> None:
     """Raises RuntimeError if vLLM's CPU cache op disagrees with `VllmCpuLayout`."""
     geo = KVGeometry(num_heads=2, head_size=head_size, block_size=block_size, dtype=dtype)
-    layout = VllmCpuLayout()
+    layout = get_layout("vllm_cpu")
     num_tokens = block_size + 3  # crosses a block edge
     layer = layout.allocate(3, geo)
     gen = torch.Generator().manual_seed(0)
     key, value = (torch.randn(num_tokens, 2, head_size, generator=gen).to(dtype) for _ in "kv")
     blocks = [2, 0]  # out of order on purpose
-    slots = torch.tensor(
-        [blocks[t // block_size] * block_size + t % block_size for t in range(num_tokens)],
-        dtype=torch.int64,
-    )
+    t = torch.arange(num_tokens)  # int64, as vLLM's slot mapping
+    slots = torch.tensor(blocks)[t // block_size] * block_size + t % block_size
     write_with_vllm_op(layer, key, value, slots)
     got_k, got_v = gather_tokens(layout.kv_views(layer, geo), blocks, num_tokens)
     if not (torch.equal(got_k, key.transpose(0, 1)) and torch.equal(got_v, value.transpose(0, 1))):

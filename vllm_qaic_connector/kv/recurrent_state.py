@@ -150,12 +150,9 @@ class RecurrentState:
         return region.numel()
 
     def load(
-        self,
-        region: torch.Tensor,
-        block_ids: Sequence[Sequence[int]],
-        src_tp: int | None = None,
+        self, region: torch.Tensor, block_ids: Sequence[Sequence[int]], src_tp: int | None = None,
         src_rank: int | None = None,
-    ) -> int:
+    ) -> int:  # fmt: skip
         """Takes this rank's part of what ``src_rank`` of ``src_tp`` staged (by default a
         rank like this one); returns bytes copied."""
         src_tp, src_rank = src_tp or self.tp_size, self.tp_rank if src_rank is None else src_rank

@@ -43,9 +43,8 @@ def head_sources(
         have = heads_of_rank(total_heads, src_tp, src)
         lo, hi = max(next_head, have.start), min(want.stop, have.stop)
         if lo < hi:
-            sources.append(
-                HeadSource(src, HeadRange(lo - have.start, hi - have.start, lo - want.start))
-            )
+            heads = HeadRange(lo - have.start, hi - have.start, lo - want.start)
+            sources.append(HeadSource(src, heads))
             next_head = hi
     if next_head != want.stop:
         raise ValueError(f"TP {src_tp}->{dst_tp}: no prefill rank holds heads {next_head}..")

@@ -173,15 +173,10 @@ class PeerDirectory:
         try:
             entry.ranks = self._handshake(host, port)
             entry.answered = True
-            peer = entry.ranks[0]
+            r = entry.ranks[0]
+            facts = (r.engine_id, host, port, r.layout_kind, r.block_size, r.tp_size)
             logger.info(
-                "QAICConnector: handshake with %s at %s:%d: %s layout, block %d, TP %d",
-                peer.engine_id,
-                host,
-                port,
-                peer.layout_kind,
-                peer.block_size,
-                peer.tp_size,
+                "QAICConnector: handshake with %s at %s:%d: %s layout, block %d, TP %d", *facts
             )
         except ConnectionError as exc:
             entry.error, entry.answered = str(exc), isinstance(exc, PeerRefused)

@@ -98,8 +98,7 @@ class SideChannelServer:
             self._sock.close(0)
             self._ctx.term()
             raise
-        self._handler = handler
-        self._key = key
+        self._handler, self._key = handler, key
         self._replays = ReplayGuard()  # only this thread touches it
         self._complain = _Complaints()
         self._stop = threading.Event()

@@ -38,15 +38,9 @@ class SlotPuller:
         return (geo.num_heads, geo.head_size, geo.block_size, geo.dtype) == want
 
     def pull(
-        self,
-        slot: int,
-        peer: TransportEndpoint,
-        staging_offset: int,
-        geo: KVGeometry,
-        num_tokens: int,
-        generation: int,
-        notify: bytes | None = None,
-    ) -> list[ByteRun]:
+        self, slot: int, peer: TransportEndpoint, staging_offset: int, geo: KVGeometry,
+        num_tokens: int, generation: int, notify: bytes | None = None,
+    ) -> list[ByteRun]:  # fmt: skip
         """READ tokens ``[0, num_tokens)`` of a request staged at ``staging_offset`` into
         ``slot``; returns the runs read (one NIXL descriptor each). StaleTicket if the
         region's header did not hold ``generation`` before and after (the slot then holds

@@ -140,8 +140,7 @@ class SlotTarget:
         ]
         spec = kv_refs[0][0].spec
         self.num_slots, self.num_heads, self.ctx_len, self.head_dim = spec.shape
-        self.dtype = torch_dtype(spec.dtype)
-        self.num_layers = len(kv_refs)
+        self.dtype, self.num_layers = torch_dtype(spec.dtype), len(kv_refs)
         self._free = list(range(self.num_slots))  # a heap: lowest free slot first
         self._lock = threading.Lock()
 

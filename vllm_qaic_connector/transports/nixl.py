@@ -194,13 +194,9 @@ class NixlTransport(KVTransport):
                 self._give_back(_Held(tensor, -1, held[1]))
 
     def read_into(
-        self,
-        peer: TransportEndpoint,
-        runs: Sequence[ByteRun],
-        *,
-        base_offset: int = 0,
+        self, peer: TransportEndpoint, runs: Sequence[ByteRun], *, base_offset: int = 0,
         notify: bytes | None = None,
-    ) -> int:
+    ) -> int:  # fmt: skip
         """One NIXL transfer, one descriptor per run: peer staging ``[base_offset + run.src,
         +nbytes)`` lands at local address ``run.dst``, which must lie in a registered
         destination. No receive buffer, no copy. Returns the bytes read."""
@@ -287,13 +283,9 @@ class NixlTransport(KVTransport):
             raise RuntimeError(f"nixl transport {self.agent_name} is closed")
 
     def _start(
-        self,
-        agent: str,
-        runs: Sequence[ByteRun],
-        notify: bytes | None,
-        held: _Held | None = None,
+        self, agent: str, runs: Sequence[ByteRun], notify: bytes | None, held: _Held | None = None,
         devices: tuple[int, int] = (-1, -1),
-    ) -> tuple[Any, str]:
+    ) -> tuple[Any, str]:  # fmt: skip
         """Posts one READ (``run.src``: the peer's address; ``run.dst``: ours) under the lock;
         ``devices``: (ours, the peer's), a CUDA device or -1 for host memory. On failure
         gives ``held`` back and drops the peer."""

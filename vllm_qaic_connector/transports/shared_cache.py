@@ -36,9 +36,6 @@ def backing(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 
 def described(layers: Sequence[torch.Tensor], size: int, **where: Any) -> SharedCache:
-    first = layers[0]
+    shape, strides = tuple(layers[0].shape), tuple(layers[0].stride())
     offsets = tuple(int(t.storage_offset()) for t in layers)
-    return SharedCache(
-        size=size, shape=tuple(first.shape), strides=tuple(first.stride()),
-        layer_offsets=offsets, **where,
-    )  # fmt: skip
+    return SharedCache(size=size, shape=shape, strides=strides, layer_offsets=offsets, **where)

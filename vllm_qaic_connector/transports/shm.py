@@ -160,12 +160,9 @@ def move_into_shm(layers: Sequence[torch.Tensor]) -> SharedCache | None:
         return None
     shm = os.statvfs(SHM_DIR)
     if shm.f_bavail * shm.f_frsize < 2 * whole.numel():  # tmpfs past its size: SIGBUS
-        logger.warning(
-            "QAICConnector: %s has room for less than twice the KV cache (%d MiB); "
-            "handoffs stage instead of reading the cache directly",
-            SHM_DIR,
-            whole.numel() >> 20,
-        )
+        logger.warning("QAICConnector: %s has room for less than twice the KV cache (%d MiB); "
+                       "handoffs stage instead of reading the cache directly", SHM_DIR,
+                       whole.numel() >> 20)  # fmt: skip
         return None
     # torch.multiprocessing's own move: a new unlinked shm object, the bytes copied over,
     # then the storage's data pointer replaced. It dies with the last process mapping it.
@@ -204,9 +201,8 @@ class ShmTransport(KVTransport):
         return self._own.tensor if self._own else torch.empty(0, dtype=torch.uint8)
 
     def endpoint(self) -> TransportEndpoint:
-        if self._own is None:
-            return TransportEndpoint(self.kind, "", 0)
-        return TransportEndpoint(self.kind, self._own.name, self._own.size)
+        name, size = (self._own.name, self._own.size) if self._own else ("", 0)  # loads only
+        return TransportEndpoint(self.kind, name, size)
 
     def read(
         self, peer: TransportEndpoint, offset: int, nbytes: int, *, notify: bytes | None = None

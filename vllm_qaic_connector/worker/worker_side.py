@@ -139,7 +139,7 @@ class WorkerSide:
         tensors = cache.tensors
         name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
         transport = self.transport = create_transport(
-            self.cfg.transport, name, self.cfg.staging_bytes, self.cfg.load_timeout_s,
+            self.cfg.transport, name, self.cfg.pool_bytes, self.cfg.load_timeout_s,
             stages=self.identity.produces,
         )  # fmt: skip
         # Direct reads move whole blocks: each must be one dense run (not LHBNC's), in
