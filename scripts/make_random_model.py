@@ -219,21 +219,13 @@ def deepseek_v2(vocab: int) -> PreTrainedModel:
     a shared RoPE key (64) per token, not per-head K and V (320: a size vLLM's MLA kernels
     take). Dense MLPs."""
     sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
+    latent = dict(kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=64)
+    heads = dict(num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=32)
+    dense = dict(first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2)
     cfg = DeepseekV2Config(
-        **sizes,
-        num_hidden_layers=3,
-        num_key_value_heads=4,
-        kv_lora_rank=256,
-        q_lora_rank=None,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=64,
-        v_head_dim=32,
-        first_k_dense_replace=3,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=128,
+        **sizes, **latent, **heads, **dense, num_hidden_layers=3, moe_intermediate_size=128,
         architectures=["DeepseekV2ForCausalLM"],
-    )
+    )  # fmt: skip
     return DeepseekV2ForCausalLM(cfg)
 
 
