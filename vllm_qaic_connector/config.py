@@ -111,10 +111,10 @@ def sized_staging(cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) 
     longer prompts were never handed off. A smaller pool set by hand is logged."""
     need = cfg.staging_page_bytes  # the region header's page
     for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
+        spec = group.kv_cache_spec  # UniformTypeKVCacheSpecs: already every layer's
+        layers = 1 if hasattr(spec, "kv_cache_specs") else len(group.layer_names)
         rounding = MAX_BLOCK_TOKENS * spec.page_size_bytes // spec.block_size
-        per_layer = spec.max_memory_usage_bytes(vllm_config)
-        need += len(group.layer_names) * (per_layer + (rounding if spec.block_size > 1 else 0))
+        need += layers * (spec.max_memory_usage_bytes(vllm_config) + rounding)
     if cfg.staging_bytes is not None:
         if cfg.staging_bytes < need:
             logger.warning(
