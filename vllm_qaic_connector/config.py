@@ -13,6 +13,7 @@ from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 
 logger = get_logger(__name__)
 DEFAULT_STAGING_BYTES = 256 << 20  # the pool's floor
+MAX_AUTO_STAGING = 4 << 30  # and the most it takes unasked: host memory on every staging rank
 MAX_BLOCK_TOKENS = 1024  # the largest decode block a staged prompt's layers round up to
 
 
@@ -106,26 +107,29 @@ class ConnectorConfig(
 
 def sized_staging(cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
     """``staging_bytes`` where unset: room for one prompt that fills the context (vLLM's own
-    per-request bound for each layer, plus a decode block's rounding), at least 256 MiB.
+    per-request bound for each layer, plus a decode block's rounding), from 256 MiB to 4 GiB.
     Both halves size it alike. A fixed 256 MiB held 2,048 tokens of Llama-3-8B's KV, and
-    longer prompts were never handed off. A smaller pool set by hand is logged."""
+    longer prompts were never handed off; 4 GiB holds 32k. A pool that cuts prompts short of
+    ``max_model_len`` is logged."""
     need = cfg.staging_page_bytes  # the region header's page
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec  # UniformTypeKVCacheSpecs: already every layer's
         layers = 1 if hasattr(spec, "kv_cache_specs") else len(group.layer_names)
         rounding = MAX_BLOCK_TOKENS * spec.page_size_bytes // spec.block_size
         need += layers * (spec.max_memory_usage_bytes(vllm_config) + rounding)
-    if cfg.staging_bytes is not None:
-        if cfg.staging_bytes < need:
-            logger.warning(
-                "QAICConnector: staging_bytes=%d is less than a prompt of max_model_len=%d "
-                "needs (%d): longer prompts are not handed off",
-                cfg.staging_bytes, vllm_config.model_config.max_model_len, need,
-            )  # fmt: skip
-        return cfg
-    pages = -(-need // cfg.staging_page_bytes)
-    sized = max(DEFAULT_STAGING_BYTES, pages * cfg.staging_page_bytes)
-    return msgspec.structs.replace(cfg, staging_bytes=sized)
+    if cfg.staging_bytes is None:
+        pages = -(-need // cfg.staging_page_bytes)
+        sized = min(max(DEFAULT_STAGING_BYTES, pages * cfg.staging_page_bytes), MAX_AUTO_STAGING)
+        cfg = msgspec.structs.replace(cfg, staging_bytes=sized)
+    if cfg.pool_bytes < need:
+        context, page = vllm_config.model_config.max_model_len, cfg.staging_page_bytes
+        per_token = (need - page) / (context + MAX_BLOCK_TOKENS)
+        logger.warning(
+            "QAICConnector: staging_bytes=%d holds prompts of at least %d tokens, not "
+            "max_model_len=%d (%d bytes): longer ones are not handed off",
+            cfg.pool_bytes, (cfg.pool_bytes - page) // per_token - MAX_BLOCK_TOKENS, context, need,
+        )  # fmt: skip
+    return cfg
 
 
 def is_loopback(host: str) -> bool:

@@ -9,12 +9,19 @@ import torch
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
 from testbed.vllm_harness import make_kv_cache_config, make_vllm_config
-from vllm_qaic_connector.config import DEFAULT_STAGING_BYTES, parse_config, sized_staging
+from vllm_qaic_connector.config import (
+    DEFAULT_STAGING_BYTES,
+    MAX_AUTO_STAGING,
+    MAX_BLOCK_TOKENS,
+    parse_config,
+    sized_staging,
+)
 from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat
 from vllm_qaic_connector.scheduler.staging import StagingPool
 from vllm_qaic_connector.tickets import HEADER_BYTES
 
 LAYERS, HEADS, HEAD, BF16 = 32, 8, 128, torch.bfloat16  # Llama-3-8B's KV: 128 KiB a token
+PER_TOKEN = 2 * LAYERS * HEADS * HEAD * BF16.itemsize
 
 
 def llama_8b_cache(block_size: int = 16) -> KVCacheConfig:
@@ -33,10 +40,9 @@ def test_a_prompt_that_fills_the_context_fits_in_any_decode_s_block_size():
         staged = StagingFormat("LBHNC", KVGeometry(HEADS, HEAD, decode_block, BF16), LAYERS)
         assert pool.allocate(f"r{decode_block}", HEADER_BYTES + staged.request_bytes(8192)) == 0
         pool.release(f"r{decode_block}")
-    per_token = 2 * LAYERS * HEADS * HEAD * 2
-    assert 8192 * per_token < sized.pool_bytes <= (8192 + 1024 + 16) * per_token + (1 << 20)
+    assert 8192 * PER_TOKEN < sized.pool_bytes <= (8192 + 1024 + 16) * PER_TOKEN + (1 << 20)
     # The 256 MiB of old held 2,048 of these tokens.
-    assert DEFAULT_STAGING_BYTES // per_token == 2048
+    assert DEFAULT_STAGING_BYTES // PER_TOKEN == 2048
 
 
 def test_a_small_model_keeps_the_floor_and_a_set_size_is_kept_and_logged(caplog):
@@ -48,4 +54,15 @@ def test_a_small_model_keeps_the_floor_and_a_set_size_is_kept_and_logged(caplog)
     with caplog.at_level(logging.WARNING):
         kept = sized_staging(parse_config({"staging_bytes": 1 << 28}), config, llama_8b_cache())
     assert kept.pool_bytes == 1 << 28
-    assert "longer prompts are not handed off" in caplog.text
+    held = ((1 << 28) - kept.staging_page_bytes) // PER_TOKEN - MAX_BLOCK_TOKENS  # 1,022
+    assert f"holds prompts of at least {held} tokens" in caplog.text
+
+
+def test_unasked_the_pool_stops_at_4_gib_and_says_how_long_a_prompt_it_holds(caplog):
+    config = make_vllm_config("kv_producer")
+    config.model_config.max_model_len = 131072  # Llama-3.1-8B's own
+    with caplog.at_level(logging.WARNING):
+        sized = sized_staging(parse_config({}), config, llama_8b_cache())
+    assert sized.pool_bytes == MAX_AUTO_STAGING
+    held = (MAX_AUTO_STAGING - sized.staging_page_bytes) // PER_TOKEN - MAX_BLOCK_TOKENS
+    assert f"holds prompts of at least {held} tokens, not max_model_len=131072" in caplog.text
