@@ -4,7 +4,7 @@ vLLM runs each prompt of a list as its own request, but answers with one
 ``kv_transfer_params``: the first prompt's. A decode given the whole list with that ticket
 would load one prompt and fail the others' checks. So the proxy sends each prompt through
 its own prefill and decode legs and puts the answers back together as vLLM would have
-answered the list: one choice per prompt, in order, and usage summed over them.
+answered the list: each prompt's n choices, prompt by prompt, and usage summed over them.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ def merged(answers: list[tuple[int, dict[str, Any]]]) -> tuple[int, dict[str, An
     for status, answer in answers:
         if status != 200:
             return status, answer
-    choices = [
-        {**choice, "index": i}  # n = 1: one choice per prompt
-        for i, (_, answer) in enumerate(answers)
-        for choice in answer.get("choices") or ()
-    ]
+    ordered = (
+        choice
+        for _, answer in answers
+        for choice in sorted(answer.get("choices") or (), key=lambda c: c.get("index", 0))
+    )  # prompt by prompt, each prompt's n choices in order
+    choices = [{**choice, "index": i} for i, choice in enumerate(ordered)]
     first = answers[0][1]
     usage = first.get("usage")
     if isinstance(usage, dict):  # the counts summed, the rest (details) as vLLM gave them

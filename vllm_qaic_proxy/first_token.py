@@ -52,7 +52,9 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
     seeded = body.get("seed") is not None and body.get("temperature", 1.0) != 0
     carried = seeded or body.get("spaces_between_special_tokens") is False  # across it
     streamed_ids = body.get("return_token_ids") and body.get("stream")
-    return one_prompt and not (chat or carried or streamed_ids or any(map(body.get, SPANNING)))
+    several = body.get("n") not in (None, 1)  # one prefill token, n answers to start
+    unsure = chat or carried or streamed_ids or several
+    return one_prompt and not (unsure or any(map(body.get, SPANNING)))
 
 
 @dataclass(frozen=True)

@@ -69,18 +69,6 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict[str, 
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def unsupported(body: dict[str, Any]) -> str | None:
-    """What the proxy cannot do for this request, or None."""
-    for field in ("n", "best_of"):
-        value = body.get(field)
-        if value is not None and value != 1:
-            return (
-                f"{field}={value!r} is not supported through the disaggregating proxy: "
-                "each choice would need its own KV handoff; send n=1 requests"
-            )
-    return None
-
-
 def prefill_body(body: dict[str, Any], chat: bool, decode_kv: str) -> dict[str, Any]:
     """The prefill leg: one token, whichever token limit the client used, never streamed.
     A limit vLLM refuses (0, -1, not a number) stays, so the client gets vLLM's own 400
@@ -261,8 +249,6 @@ class Proxy:
             body = await request.json()
         if not isinstance(body, dict):
             return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
-        if problem := unsupported(body):
-            return web.json_response(error_body(400, problem), status=400)
         chat = request.path.endswith("/chat/completions")
         several = None if chat else batches.prompts(body)
         if several is None:

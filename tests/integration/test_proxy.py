@@ -24,7 +24,7 @@ from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
 from vllm_qaic_proxy import batches, first_token, routing
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
-from vllm_qaic_proxy.server import Proxy, prefill_body, unsupported
+from vllm_qaic_proxy.server import Proxy, prefill_body
 
 PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [
@@ -117,12 +117,6 @@ def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
     assert out["kv_transfer_params"] == {"do_remote_decode": True}
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 2), ("best_of", 3)])
-def test_several_choices_are_refused_naming_the_field(field: str, value: int) -> None:
-    problem = unsupported({"prompt": "hi", field: value})
-    assert problem is not None and problem.startswith(f"{field}={value}")
-
-
 def test_a_list_of_prompts_is_answered_as_vllm_answers_it() -> None:
     assert batches.prompts({"prompt": "hi"}) is None
     assert batches.prompts({"prompt": [5, 6, 7]}) is None  # token ids: one prompt
@@ -133,13 +127,12 @@ def test_a_list_of_prompts_is_answered_as_vllm_answers_it() -> None:
     assert status == 200 and [c["index"] for c in merged["choices"]] == [0, 1]
     assert merged["usage"] == {**usage, "prompt_tokens": 6, "completion_tokens": 4,
                                "total_tokens": 10}  # fmt: skip
+    two = {**answer, "choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]}
+    _, merged = batches.merged([(200, two), (200, two)])  # n = 2: prompt i's j is 2i + j
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [
+        (0, "a"), (1, "b"), (2, "a"), (3, "b")]  # fmt: skip
     failed = {"error": {"message": "boom"}}
     assert batches.merged([(200, answer), (503, failed), (502, {})]) == (503, failed)
-
-
-def test_one_choice_is_fine() -> None:
-    assert unsupported({"prompt": "hi", "n": 1, "best_of": 1}) is None
-    assert unsupported({"prompt": "hi"}) is None
 
 
 # --- stand-in engines -----------------------------------------------------------------------
@@ -523,12 +516,11 @@ async def test_a_failed_handoff_is_503_kv_handoff_error(prefill: Prefill, decode
 @pytest.mark.parametrize(
     ("data", "names"),
     [
-        (b'{"prompt": "hi", "n": 2}', "n=2"),
         (b'["hi"]', "JSON object"),
         (b"hi", "JSON object"),
         (b'{"prompt": ["a", "b"], "stream": true}', "a list of prompts with stream=true"),
     ],
-    ids=["n=2", "array", "not-json", "streamed-list"],
+    ids=["array", "not-json", "streamed-list"],
 )
 async def test_bad_requests_are_400_before_any_leg(
     prefill: Prefill, decode: Decode, data: bytes, names: str
@@ -650,8 +642,10 @@ async def test_an_answer_ending_at_the_prefills_token_needs_no_decode(
         ("/v1/completions", {"stop": ["\n"]}),
         ("/v1/completions", {"logprobs": 2}),
         ("/v1/completions", {"presence_penalty": 0.5}),
+        ("/v1/completions", {"n": 3, "temperature": 0.9}),
+        ("/v1/chat/completions", {"n": 2, "temperature": 0.9}),
     ],
-    ids=["chat", "stop", "logprobs", "penalty"],
+    ids=["chat", "stop", "logprobs", "penalty", "n=3", "chat-n=2"],
 )
 async def test_options_spanning_the_first_token_keep_the_decodes_own(
     prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]
@@ -662,6 +656,7 @@ async def test_options_spanning_the_first_token_keep_the_decodes_own(
         resp = await client.post(path, json=body)
         assert await resp.json() == decode.answer_for(body)
     assert "return_token_ids" not in prefill.requests[0][1]
+    assert prefill.requests[0][1]["n"] == 1  # n choices on the decode, all from one ticket
     assert decode.requests[0][1] == {**body, "kv_transfer_params": prefill.params[0]}
 
 

@@ -664,3 +664,36 @@ def test_a_later_prompt_of_a_list_is_read_from_vllm_s_request_id(request_id, pos
     from vllm_qaic_connector.scheduler.request_ids import later_prompt_of_a_list
 
     assert later_prompt_of_a_list(request_id) == position
+
+
+def test_sampling_children_read_their_one_ticket_once(decode):
+    """vLLM runs a request for n > 1 choices as n requests with one ticket, and the first
+    read frees the prefill's staging: a second read would fail. One child loads; the others
+    wait for it (vLLM asks again each step), then start from its blocks in the prefix
+    cache. Before, every child read the ticket, and each that came after the first's
+    acknowledgement failed its load."""
+    kids = [make_request(f"{i}_parent", 45, remote_params(45), max_tokens=3) for i in range(3)]
+    for kid in kids:
+        decode.add_request(kid)
+    for first in (True, False):  # however long the load takes
+        out, _ = step(decode)
+        assert [load.request_id for load in meta(out).loads] == ["0_parent"] * first
+        assert [kid.status for kid in kids[1:]] == [RequestStatus.WAITING] * 2
+    step(decode, KVConnectorOutput(finished_recving={"0_parent"}))
+    out, _ = step(decode)
+    assert meta(out).loads == []
+    assert all(kid.status == RequestStatus.RUNNING for kid in kids)
+    started = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    full_blocks = 45 // BS * BS
+    assert {r: started.get(r) for r in ("1_parent", "2_parent")} == dict.fromkeys(
+        ("1_parent", "2_parent"), full_blocks)  # fmt: skip
+
+
+def test_a_sampling_child_aborted_mid_load_leaves_its_siblings_to_compute(decode):
+    kids = [make_request(f"{i}_parent", 45, remote_params(45), max_tokens=3) for i in range(2)]
+    for kid in kids:
+        decode.add_request(kid)
+    step(decode)
+    decode.finish_requests("0_parent", RequestStatus.FINISHED_ABORTED)
+    out, _ = step(decode, KVConnectorOutput(finished_recving={"0_parent"}))
+    assert meta(out).loads == [] and kids[1].status == RequestStatus.RUNNING

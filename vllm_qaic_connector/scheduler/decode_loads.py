@@ -19,6 +19,7 @@ from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
+from vllm_qaic_connector.scheduler.shared_tickets import SharedTickets, ticket_key
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.tickets import prompt_hash
 
@@ -37,8 +38,9 @@ class DecodeLoads:
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # handed to the worker, not yet reported done
+        self.tickets = SharedTickets()
 
-    def claim(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def claim(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
         if position := request_ids.later_prompt_of_a_list(request.request_id):
             # Its params are the first prompt's (vLLM returns no other): computed here.
@@ -78,6 +80,16 @@ class DecodeLoads:
                     f"the prefill computed this KV with {_weights(parsed.adapter)}, this "
                     f"request runs {_weights(adapter)}: other weights, other KV"
                 )
+            shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
+            if shared == "busy":
+                return None, False  # vLLM asks again next step
+            if shared == "read":
+                logger.info(
+                    "QAICConnector: request %s shares a ticket another request read (n > 1); "
+                    "it computes what the prefix cache does not hold",
+                    request.request_id,
+                )
+                return 0, False
             remote = parsed  # only a ticket that checks out is used, renewed or released
             self.renewer.want(request.request_id, remote)
         except ValueError as exc:
@@ -88,6 +100,8 @@ class DecodeLoads:
         count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
         if count <= 0:
             return 0, False
+        if remote is not None:
+            self.tickets.hold(request.request_id, key)
         self._matched[request.request_id] = (num_computed_tokens, remote, error)
         return count, True
 
@@ -95,6 +109,7 @@ class DecodeLoads:
         """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks."""
         matched = self._matched.pop(request.request_id, None)
         if matched is None or num_external_tokens == 0:
+            self.tickets.leave(request.request_id, spent=False)
             return
         first_token, remote, error = matched
         if request.kv_transfer_params:
@@ -126,6 +141,7 @@ class DecodeLoads:
         self._loading.difference_update(request_ids)
         for rid in request_ids:
             self.renewer.drop(rid)
+            self.tickets.leave(rid)
 
     def finished(self, request_id: str) -> bool:
         """Forgets a finished request; True if its load was still running (the worker
@@ -134,6 +150,7 @@ class DecodeLoads:
         self._pending.pop(request_id, None)
         loading = request_id in self._loading
         (self.renewer.drop if loading else self.renewer.release)(request_id)
+        self.tickets.leave(request_id)
         return loading
 
     def close(self) -> None:
