@@ -13,6 +13,7 @@ Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -130,23 +131,30 @@ def _finished(decode: VllmServer) -> float:
 
 
 def check_client_abort(
-    proxy: Server, prefill: VllmServer, decode: VllmServer, prompt: str
+    proxy: Server, prefill: VllmServer, decode: VllmServer, prompt: str, stream: bool = True
 ) -> dict[str, Any]:
-    """Disconnect after the first streamed chunk of a long answer (``ignore_eos``): the decode
-    aborts the request (it never finishes it, nor generates most of its tokens) and the
-    prefill's staging is free again."""
-    max_tokens = 700
+    """Disconnect after the first streamed chunk of a long answer (``ignore_eos``), or, not
+    streamed, give up waiting for it (a client's timeout): the decode aborts the request (it
+    never finishes it, nor generates most of its tokens) and the prefill's staging is free
+    again. Before the proxy cancelled a handler whose client left, a request not streamed
+    ran to its end on the decode."""
+    max_tokens = TINY.max_model_len - count_tokens(decode.url, prompt) - 8
     body: dict[str, Any] = {
         "model": "model", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, "stream": True,
+        "ignore_eos": True, "stream": stream,
     }  # fmt: skip
     finished0, generated0 = _finished(decode), decode.metric(GENERATED, 0.0)
     t0 = time.monotonic()
-    with requests.post(f"{proxy.url}/v1/completions", json=body, stream=True, timeout=60) as r:
-        assert r.status_code == 200, r.text
-        first = next(r.iter_content(chunk_size=None))
-        assert first.startswith(b"data: "), first
-    # Leaving `with` closed the connection after one chunk.
+    if stream:
+        with requests.post(f"{proxy.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+            assert r.status_code == 200, r.text
+            first = next(r.iter_content(chunk_size=None))
+            assert first.startswith(b"data: "), first
+        # Leaving `with` closed the connection after one chunk.
+    else:
+        with contextlib.suppress(requests.exceptions.ReadTimeout):
+            r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=(5, 0.5))
+            raise AssertionError(f"answered in under 0.5 s: {r.status_code} {r.text[:200]}")
     idle, _ = poll_until(lambda: decode.metric(RUNNING, 0.0) == 0, 30)
 
     def pages_after_a_step() -> float:

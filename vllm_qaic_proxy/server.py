@@ -484,7 +484,12 @@ def main(argv: list[str] | None = None) -> None:
         key=load_key(args.side_channel_key_file),
         first_token_from_prefill=args.first_token == "prefill",
     )
-    web.run_app(proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop())
+    # A client that goes away cancels its handler, which closes the legs' connections: the
+    # engines abort the request, as vLLM's own server does (not only a stream's, on write).
+    web.run_app(
+        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(),
+        handler_cancellation=True,
+    )  # fmt: skip
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

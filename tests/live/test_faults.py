@@ -736,6 +736,13 @@ class TestShm:
             "client abort", **proxy_clients.check_client_abort(c.proxy, c.prefill, c.decode, prompt)
         )
 
+    def test_i_client_timeout_not_streamed(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        prompt = c.prompts(1)[0][0]
+        check = proxy_clients.check_client_abort(c.proxy, c.prefill, c.decode, prompt, stream=False)
+        say("client timeout, not streamed", **check)
+
     def test_j_vllm_bench_serve(self, shm_cluster: Cluster) -> None:
         c = shm_cluster
         c.ensure(c.prefill, c.decode, c.proxy)
