@@ -297,6 +297,8 @@ class Emulator:
 
     async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
         params = body.get("kv_transfer_params") or {}
+        if isinstance(params, dict) and params.get("error"):  # a decode program cannot prefill
+            raise RequestError(503, f"the prefill could not hand the KV off: {params['error']}")
         if not isinstance(params, dict) or not params.get("do_remote_prefill"):
             raise RequestError(
                 400,

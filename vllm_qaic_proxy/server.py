@@ -295,11 +295,10 @@ class Proxy:
                 timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
                 params = prefilled.get("kv_transfer_params")
                 if isinstance(params, dict) and params.get("error"):
-                    # The prefill could not hand this request off (e.g. staging full).
-                    return web.json_response(
-                        error_body(503, str(params["error"]), "KVHandoffError"), status=503
-                    )
-                if first_from_prefill:
+                    # Not handed off (e.g. staging full): the decode gets the error, and its
+                    # kv_load_failure_policy decides, as behind any router.
+                    logger.warning("prefill %s did not hand off: %s", prefill_url, params["error"])
+                elif first_from_prefill:
                     context = await self._context(decode_url, auth)
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer

@@ -505,12 +505,16 @@ async def test_a_backend_400_passes_through(prefill: Prefill, decode: Decode) ->
     assert decode.requests == []
 
 
-async def test_a_failed_handoff_is_503_kv_handoff_error(prefill: Prefill, decode: Decode) -> None:
-    prefill.answer = "kv-error"
+async def test_a_failed_handoff_goes_to_the_decode_whose_policy_decides(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """As behind any router: the prefill's error reaches the decode, whose
+    kv_load_failure_policy recomputes or fails. Before, the proxy answered 503."""
+    prefill.answer, prefill.token_ids = "kv-error", True
     async with proxy([prefill.url], [decode.url]) as client:
-        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
-    assert error["type"] == "KVHandoffError" and "staging is full" in error["message"]
-    assert decode.requests == []
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert resp.status == 200 and await resp.json() == decode.answer_for(PROMPT)
+    assert decode.requests[0][1] == {**PROMPT, "kv_transfer_params": {"error": "staging is full"}}
 
 
 @pytest.mark.parametrize(

@@ -787,6 +787,34 @@ class TestShm:
             assert is_correct({"choices": [choice]}, answer), choice
         assert (saved, loaded, failed) == (1, 1, 0)
 
+    def test_m_n_choices_behind_a_router(self, shm_cluster: Cluster) -> None:
+        """A router sends a request for n = 2 choices as it came: the prefill (vLLM runs two
+        requests) refuses to stage it, naming n, and the decode (policy ``recompute``) gets
+        that error with the request; its answers are vLLM's own. The proxy's n = 2 path (one
+        ticket, read once) is in ``test_l``."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode)
+        prompt = c.prompts(1)[0][0]
+        body = {**completion_body(prompt), "n": 2, "temperature": 0.9}
+        saved0, loaded0 = c.prefill.metric(SAVED, 0.0), c.decode.metric(LOADED, 0.0)
+        failed0 = c.decode.metric(LOAD_FAILURES, 0.0)
+        prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PARAMS}
+        r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg, timeout=60)
+        params = r.json().get("kv_transfer_params") or {}
+        assert r.status_code == 200 and "n > 1" in str(params.get("error")), r.text[:300]
+        decode_leg = {**body, "kv_transfer_params": params}
+        got = requests.post(f"{c.decode.url}/v1/completions", json=decode_leg, timeout=60)
+        alone = {**body, "cache_salt": f"alone-{time.monotonic_ns()}"}
+        want = requests.post(f"{c.prefill.url}/v1/completions", json=alone, timeout=60)
+        assert got.status_code == 200, got.text[:300]
+        assert got.json()["choices"] == want.json()["choices"]
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        saved = c.prefill.metric(SAVED, 0.0) - saved0
+        loaded = c.decode.metric(LOADED, 0.0) - loaded0
+        failed = c.decode.metric(LOAD_FAILURES, 0.0) - failed0
+        say("n = 2 behind a router", staged=saved, loaded=loaded, load_failures=failed)
+        assert (saved, loaded, failed) == (0, 0, 2)
+
     def test_n_a_decode_serving_other_weights_is_refused_by_its_weights_not_its_name(
         self, shm_cluster: Cluster
     ) -> None:

@@ -559,15 +559,29 @@ def test_expired_ticket_is_a_load_error_and_a_live_one_carries_its_deadline(deco
     assert loads["new"].error is None and loads["new"].holds_until == fresh["expires_at"]
 
 
-def test_a_prefills_error_passed_on_by_a_router_is_a_load_error(decode):
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_prefills_error_passed_on_by_a_router_is_a_load_error(decode, policy):
     """vllm-router copies the prefill's params whole: one that says the handoff failed is
     a failed load (kv_load_failure_policy decides), not a silent recompute."""
+    decode.recompute_kv_load_failures = policy == "recompute"
     params = {"do_remote_prefill": False, "error": "staging pool full (8/8 pages) for 5s"}
     decode.add_request(make_request("e1", 45, params))
     out, _ = step(decode)
     (load,) = meta(out).loads
     assert load.remote is None and "staging pool full" in load.error
     assert load.block_ids == tuple(decode.kv_cache_manager.get_block_ids("e1"))
+    # The worker reports the failure as it does; the request is recomputed, once. Before,
+    # the params still said "error" to the rescheduled request: it claimed them again,
+    # failed again, and so on every step, forever (the client hung, the log flooded).
+    failed = KVConnectorOutput(
+        finished_recving={"e1"}, failed_recving={"e1"}, invalid_block_ids=set(load.block_ids[0])
+    )
+    out, _ = step(decode, failed)
+    claims = len(meta(out).loads)
+    for _ in range(3):
+        out, _ = step(decode)
+        claims += len(meta(out).loads)
+    assert claims == 0 and "e1" not in decode.requests  # recomputed, answered, done
 
 
 def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():

@@ -112,8 +112,8 @@ class DecodeLoads:
             self.tickets.leave(request.request_id, spent=False)
             return
         first_token, remote, error = matched
-        if request.kv_transfer_params:
-            request.kv_transfer_params["do_remote_prefill"] = False  # load once
+        if request.kv_transfer_params:  # load once: a failed load is recomputed, not retried
+            request.kv_transfer_params.update(do_remote_prefill=False, error=None)
         starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
         if remote is not None and error is None:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))
