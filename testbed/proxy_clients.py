@@ -282,6 +282,11 @@ def check_answers_match_vllm(
     ]  # fmt: skip
     cases = [("/v1/completions", {"prompt": fresh(1)[0], **o}, n) for o, n in completions]
     rng = random.Random(time.monotonic_ns())  # token ids no earlier request used
+    # An answer that repeats, cut short by vLLM where the pattern recurs: the decode must
+    # count the first token as output (it ended one token late when it did not).
+    word, detect = f"s{rng.randrange(1, 200)}", {"max_pattern_size": 2, "min_count": 3}
+    repeats = {"prompt": f"copy: {' '.join([word] * 8)}", "repetition_detection": detect}
+    cases.append(("/v1/completions", repeats, handoff))
     for o in ({"max_tokens": None}, {"max_tokens": 5, "stream": True, **usage}):
         full = [rng.randrange(5, 60) for _ in range(TINY.max_model_len - 1)]
         cases.append(("/v1/completions", {"prompt": full, **o}, prefill_alone))

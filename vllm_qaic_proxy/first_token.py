@@ -31,11 +31,16 @@ from typing import Any
 from vllm_qaic_connector.protocol.wire import parse_remote_prefill
 
 # Options whose meaning spans the first token (the decode alone would apply them to the
-# rest only) or that the answer would have to merge across the legs.
+# rest only) or that the answer would have to merge across the legs. Every field of vLLM's
+# request is either here or known to continue exactly (tests/unit/test_first_token_text.py
+# fails on a field vLLM adds until it is sorted).
 SPANNING = (
-    "echo", "logprobs", "prompt_logprobs", "suffix", "stop", "bad_words", "min_tokens",
-    "frequency_penalty", "presence_penalty", "response_format", "structured_outputs",
-    "use_beam_search", "prompt_embeds", "return_tokens_as_token_ids",
+    "echo", "logprobs", "logprob_token_ids", "prompt_logprobs", "suffix", "stop", "bad_words",
+    "min_tokens", "frequency_penalty", "presence_penalty", "repetition_detection",
+    "thinking_token_budget", "response_format", "structured_outputs", "use_beam_search",
+    "prompt_embeds", "mm_payload", "return_mm_kwargs", "ec_transfer_params",
+    "return_tokens_as_token_ids", "return_token_offsets", "routed_experts_prompt_start",
+    "watermarking", "vllm_xargs",
 )  # fmt: skip
 UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions

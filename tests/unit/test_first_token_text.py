@@ -121,3 +121,29 @@ def test_state_carried_across_the_first_token_keeps_the_decodes_own(extra):
 
     assert eligible({"prompt": "a b c"}, chat=False)
     assert not eligible({"prompt": "a b c", **extra}, chat=False)
+
+
+# Fields of vLLM's CompletionRequest across which the decode continues exactly from the
+# prefill's token (or that the proxy handles itself): each was checked against vLLM's own
+# answers (`testbed.proxy_clients.check_answers_match_vllm`, RESULTS.md) or acts per step.
+CONTINUES = {
+    "model", "prompt", "max_tokens", "n", "stream", "stream_options", "stream_interval",
+    "temperature", "top_p", "top_k", "min_p", "seed", "logit_bias", "allowed_token_ids",
+    "repetition_penalty", "length_penalty", "stop_token_ids", "include_stop_str_in_output",
+    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "add_special_tokens",
+    "truncate_prompt_tokens", "truncation_side", "return_token_ids", "cache_salt",
+    "kv_transfer_params", "priority", "request_id", "session_id", "user",
+}  # fmt: skip
+
+
+def test_every_field_of_vllm_s_request_is_sorted():
+    """A field vLLM adds is either an option that spans the first token or one that
+    continues; until it is sorted, this fails. It let repetition_detection through: the
+    decode, not seeing the first token as output, ended its answer one token late."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_qaic_proxy.first_token import SPANNING
+
+    fields = set(CompletionRequest.model_fields)
+    assert not set(SPANNING) & CONTINUES
+    assert fields - CONTINUES - set(SPANNING) == set(), "sort these fields"
