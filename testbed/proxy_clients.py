@@ -276,6 +276,7 @@ def check_answers_match_vllm(
         ({"max_tokens": 1, "stream": True, **usage}, prefill_alone),
         ({"stream": True, "stream_options": {**usage["stream_options"], **continuous}}, handoff),
         ({"logprobs": 2, "stream": True}, handoff), ({"return_token_ids": True}, handoff),
+        ({"logprobs": 1, "logprob_token_ids": [5, 6, 7]}, handoff),
         ({"echo": True, "logprobs": 1}, decode_alone), ({"stop": ["]"], "stream": True}, handoff),
         (seeded, handoff), ({**seeded, "stream": True}, handoff),
         ({**seeded, "n": 2}, handoff), ({**seeded, "n": 3, "stream": True, **usage}, handoff),

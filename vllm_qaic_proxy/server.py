@@ -36,7 +36,9 @@ T = TypeVar("T")
 
 # The prefill computes the prompt's KV and one token (the client's first, where it can be).
 PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
-PREFILL_DROPS = ("stream_options", "logprobs", "top_logprobs", "echo", "prompt_logprobs")
+PREFILL_DROPS = (
+    "stream_options", "logprobs", "top_logprobs", "logprob_token_ids", "echo", "prompt_logprobs",
+)  # fmt: skip
 ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).

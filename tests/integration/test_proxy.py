@@ -112,6 +112,38 @@ def test_the_prefill_leg_asks_for_one_token_and_never_streams(chat: bool, limit:
     assert body[limit] == 50 and body["stream"] is True  # the client's body is untouched
 
 
+# One value of each option a client may send, with what vLLM requires beside it.
+OPTIONS: list[dict[str, Any]] = [
+    {"logprobs": 2}, {"logprobs": 2, "logprob_token_ids": [5, 6]}, {"echo": True},
+    {"prompt_logprobs": 1}, {"stop": ["]"]}, {"bad_words": ["x"]}, {"min_tokens": 3},
+    {"frequency_penalty": 0.5}, {"repetition_detection": {"max_pattern_size": 2, "min_count": 3}},
+    {"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "a+"}},
+    {"n": 2, "temperature": 0.9}, {"seed": 3}, {"stream": True, "stream_options":
+    {"include_usage": True, "continuous_usage_stats": True}}, {"return_token_ids": True},
+    {"max_tokens": 1}, {"min_tokens": 1, "max_tokens": 1}, {"truncate_prompt_tokens": 3},
+    {"use_beam_search": True}, {"stop_token_ids": [5], "include_stop_str_in_output": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: ",".join(o))
+def test_the_prefill_leg_of_a_request_vllm_accepts_is_one_vllm_accepts(
+    chat: bool, option: dict[str, Any]
+) -> None:
+    """The prefill leg drops and sets fields; one that another needs must not go alone.
+    It did: ``logprob_token_ids`` went without ``logprobs``, and vLLM refused the leg."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    schema = ChatCompletionRequest if chat else CompletionRequest
+    prompt = {"messages": [{"role": "user", "content": "a b"}]} if chat else {"prompt": "a b"}
+    body = {"model": "m", "max_tokens": 5, **prompt, **option}
+    if chat and "logprobs" in option:  # chat's logprobs: a flag and a count
+        body.update(logprobs=True, top_logprobs=option["logprobs"])
+    schema.model_validate(body)
+    schema.model_validate(prefill_body(body, chat, "127.0.0.1:5557"))
+
+
 def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
     out = prefill_body({"prompt": "hi"}, False, "")
     assert out["kv_transfer_params"] == {"do_remote_decode": True}
