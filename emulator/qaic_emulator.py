@@ -57,6 +57,7 @@ from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, to
 from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
+from vllm_qaic_proxy.server import MAX_REQUEST_BYTES
 
 logger = init_logger(__name__)
 T = TypeVar("T")
@@ -388,7 +389,7 @@ class Emulator:
         return web.Response(text=text, content_type="text/plain")
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)  # as vLLM and the proxy
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)

@@ -43,6 +43,9 @@ ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeou
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
+# vLLM's server takes a request of any size; aiohttp's default (1 MiB) refused a long
+# context's prompt (~7 bytes a token id, ~4 a token of text) with a bare 413.
+MAX_REQUEST_BYTES = 1 << 30
 
 
 class LegError(Exception):
@@ -410,7 +413,7 @@ class Proxy:
             await self._session.close()
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)

@@ -211,7 +211,7 @@ class Backend(ABC):
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=1 << 30)  # as vLLM: any size
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
@@ -408,6 +408,18 @@ async def test_the_decode_gets_the_prefills_params_and_the_client_its_answer(
     assert prefill_path == decode_path == path
     assert to_prefill["max_tokens"] == 1 and to_prefill["kv_transfer_params"]["do_remote_decode"]
     assert to_decode == {**PROMPT, "temperature": 0, "kv_transfer_params": prefill.params[0]}
+
+
+async def test_a_long_context_prompt_is_not_refused_for_its_size(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """200k token ids, ~1.4 MB of JSON: vLLM's server takes it; the proxy refused anything
+    over aiohttp's default 1 MiB with a bare 413."""
+    body = {"prompt": list(range(100_000, 300_000)), "max_tokens": 5}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+    assert decode.requests[0][1]["prompt"] == body["prompt"]
 
 
 async def test_a_stream_comes_through_as_it_is_sent(prefill: Prefill, decode: Decode) -> None:
