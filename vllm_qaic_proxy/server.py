@@ -46,6 +46,9 @@ BACKEND_KEEPALIVE_S = 4.0
 # vLLM's server takes a request of any size; aiohttp's default (1 MiB) refused a long
 # context's prompt (~7 bytes a token id, ~4 a token of text) with a bare 413.
 MAX_REQUEST_BYTES = 1 << 30
+# A client that goes away cancels its handler, which closes the legs' connections: the
+# engines abort the request, as vLLM's own server does (not only a stream's, on write).
+SERVING = {"handler_cancellation": True}
 
 
 class LegError(Exception):
@@ -403,7 +406,9 @@ class Proxy:
         return web.json_response({"ok": ok, **report}, status=200 if ok else 503)
 
     async def _start(self, _: web.Application) -> None:
-        connector = aiohttp.TCPConnector(keepalive_timeout=BACKEND_KEEPALIVE_S)
+        # No cap on connections (aiohttp's is 100, and a stream holds one to its end: the
+        # 101st request waited for one to end); the engines queue, as behind vLLM's router.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(connector=connector)
 
     async def _stop(self, _: web.Application) -> None:
@@ -488,12 +493,9 @@ def main(argv: list[str] | None = None) -> None:
         key=load_key(args.side_channel_key_file),
         first_token_from_prefill=args.first_token == "prefill",
     )
-    # A client that goes away cancels its handler, which closes the legs' connections: the
-    # engines abort the request, as vLLM's own server does (not only a stream's, on write).
     web.run_app(
-        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(),
-        handler_cancellation=True,
-    )  # fmt: skip
+        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(), **SERVING
+    )
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:
