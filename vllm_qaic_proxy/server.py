@@ -48,7 +48,7 @@ BACKEND_KEEPALIVE_S = 4.0
 MAX_REQUEST_BYTES = 1 << 30
 # A client that goes away cancels its handler, which closes the legs' connections: the
 # engines abort the request, as vLLM's own server does (not only a stream's, on write).
-SERVING = {"handler_cancellation": True}
+HANDLER_CANCELLATION = True
 
 
 class LegError(Exception):
@@ -494,8 +494,9 @@ def main(argv: list[str] | None = None) -> None:
         first_token_from_prefill=args.first_token == "prefill",
     )
     web.run_app(
-        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(), **SERVING
-    )
+        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(),
+        handler_cancellation=HANDLER_CANCELLATION,
+    )  # fmt: skip
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

@@ -24,7 +24,7 @@ from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
 from vllm_qaic_proxy import batches, first_token, routing
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
-from vllm_qaic_proxy.server import SERVING, Proxy, prefill_body
+from vllm_qaic_proxy.server import HANDLER_CANCELLATION, Proxy, prefill_body
 
 PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [
@@ -371,7 +371,7 @@ async def proxy(
     prefills: list[str], decodes: list[str], **kw: Any
 ) -> AsyncIterator[aiohttp.ClientSession]:
     """The real proxy app on a real port, served as vllm-qaic-proxy serves it, and a client."""
-    runner, url = await serve(Proxy(prefills, decodes, **kw).app(), **SERVING)
+    runner, url = await serve(Proxy(prefills, decodes, **kw).app(), handler_cancellation=HANDLER_CANCELLATION)
     try:
         async with aiohttp.ClientSession(base_url=url) as client:
             yield client
