@@ -371,7 +371,8 @@ async def proxy(
     prefills: list[str], decodes: list[str], **kw: Any
 ) -> AsyncIterator[aiohttp.ClientSession]:
     """The real proxy app on a real port, served as vllm-qaic-proxy serves it, and a client."""
-    runner, url = await serve(Proxy(prefills, decodes, **kw).app(), handler_cancellation=HANDLER_CANCELLATION)
+    app = Proxy(prefills, decodes, **kw).app()
+    runner, url = await serve(app, handler_cancellation=HANDLER_CANCELLATION)
     try:
         async with aiohttp.ClientSession(base_url=url) as client:
             yield client
