@@ -228,7 +228,7 @@ class Proxy:
             await out.prepare(request)
             if first is not None:
                 await out.write(first.events(body.get("stream_options"), final_usage=False))
-            if first is not None and usage_asked(body):  # its counts need the first token
+            if first is not None:  # any usage in it (asked, or forced by the server) needs it
                 async for line in resp.content:
                     await out.write(first_token.fix_event(line))
             else:
@@ -451,11 +451,6 @@ def scores_the_prompt(body: dict[str, Any], chat: bool) -> bool:
     be wasted, so the request goes to a decode alone."""
     echoed = not chat and body.get("echo") and body.get("logprobs") is not None
     return body.get("prompt_logprobs") is not None or bool(echoed)
-
-
-def usage_asked(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -317,6 +317,9 @@ class Decode(Backend):
         for chunk in CHUNKS[1:-1]:
             await asyncio.sleep(0.02)
             await out.write(chunk)
+        if self.answer == "usage":  # a server with --enable-force-include-usage, unasked
+            usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+            await out.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
         await asyncio.sleep(0.02)
         self.log.append("decode sends last")
         await out.write(CHUNKS[-1])
@@ -679,6 +682,20 @@ async def test_a_stream_starts_with_the_prefills_token_once_the_decode_took_the_
     assert first["id"] == "cmpl-p" and "usage" not in first  # as vLLM streams a chunk
     assert first["choices"][0]["text"] == "x" and first["choices"][0]["finish_reason"] is None
     assert received.endswith(b"".join(CHUNKS))  # then the decode's events as they came
+
+
+async def test_usage_a_decode_streams_unasked_counts_the_first_token_as_answer(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """A decode run with --enable-force-include-usage streams usage the client did not ask
+    for; it counted the prefill's token as prompt (billing one token off)."""
+    prefill.token_ids, decode.answer = True, "usage"
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        received = await resp.read()
+    events = [json.loads(e[6:]) for e in received.split(b"\n\n") if e.startswith(b"data: {")]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
 
 
 @pytest.mark.parametrize("stream", [False, True])
