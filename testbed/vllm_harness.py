@@ -52,12 +52,13 @@ def make_vllm_config(
     engine_id: str = "eng",
     max_batched: int = 1024,
     dp_index: int = 0,
+    prefix_caching: bool = True,
 ) -> VllmConfig:
     """``dp_index``: the data-parallel rank this engine is (vLLM sets it per DP engine)."""
     vllm_qaic_connector.register()
     cfg = VllmConfig(
         model_config=ModelConfig(model=MODEL, max_model_len=1024, seed=0, dtype="float32"),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
             max_num_batched_tokens=max_batched,

@@ -88,7 +88,7 @@ def test_decode_refuses_a_ticket_that_staged_too_little_of_a_group():
         out, _ = step(decode)
         (load,) = meta(out).loads
         assert load.error is not None and "KV cache group 0" in load.error
-        one_group = remote_params(100) | {"group_starts": [64]}
+        one_group = remote_params(100) | {"group_starts": [64], "remote_request_id": "p2"}
         decode.add_request(make_request("d3", 100, one_group))
         out, _ = step(decode)
         (load,) = meta(out).loads

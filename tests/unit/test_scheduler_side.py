@@ -711,3 +711,17 @@ def test_a_sampling_child_aborted_mid_load_leaves_its_siblings_to_compute(decode
     decode.finish_requests("0_parent", RequestStatus.FINISHED_ABORTED)
     out, _ = step(decode, KVConnectorOutput(finished_recving={"0_parent"}))
     assert meta(out).loads == [] and kids[1].status == RequestStatus.RUNNING
+
+
+def test_without_a_prefix_cache_each_sampling_child_reads_the_ticket():
+    """Waiting for a sibling's read would leave nothing to start from: each child reads
+    the ticket (all in the step they arrive in, before any acknowledgement)."""
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec", prefix_caching=False)
+    try:
+        for i in range(3):
+            decode.add_request(make_request(f"{i}_parent", 45, remote_params(45)))
+        out, _ = step(decode)
+        assert sorted(load.request_id for load in meta(out).loads) == [
+            "0_parent", "1_parent", "2_parent"]  # fmt: skip
+    finally:
+        decode.connector.shutdown()

@@ -31,14 +31,16 @@ logger = get_logger(__name__)
 
 
 class DecodeLoads:
-    def __init__(self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...]) -> None:
+    def __init__(
+        self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], prefix_caching: bool = True
+    ) -> None:
         self._key, self._groups = cfg.shared_key, groups
         self.renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
         # request id -> (first token to load, the checked ticket, what is wrong with it)
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
         self._pending: dict[str, LoadSpec] = {}
         self._loading: set[str] = set()  # handed to the worker, not yet reported done
-        self.tickets = SharedTickets()
+        self.tickets = SharedTickets(prefix_caching)
 
     def claim(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""

@@ -61,7 +61,7 @@ class SchedulerSide:
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._key = cfg.shared_key
-        self.loads = DecodeLoads(cfg, self.groups)
+        self.loads = DecodeLoads(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).

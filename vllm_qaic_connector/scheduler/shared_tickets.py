@@ -19,7 +19,10 @@ def ticket_key(remote: RemotePrefill) -> TicketKey:
 
 
 class SharedTickets:
-    def __init__(self) -> None:
+    def __init__(self, prefix_caching: bool = True) -> None:
+        # Without a prefix cache, one that waited for another's read would recompute the
+        # whole prompt: each reads the ticket then, while the staging holds.
+        self._share = prefix_caching
         self._loader: dict[TicketKey, str] = {}  # the request loading each ticket
         self._read: OrderedDict[TicketKey, None] = OrderedDict()
 
@@ -31,7 +34,8 @@ class SharedTickets:
         return "busy" if self._loader.get(key, request_id) != request_id else "free"
 
     def hold(self, request_id: str, key: TicketKey) -> None:
-        self._loader[key] = request_id
+        if self._share:
+            self._loader[key] = request_id
 
     def leave(self, request_id: str, spent: bool = True) -> None:
         """The request's load is over (done, failed or aborted: its ticket is spent), or
