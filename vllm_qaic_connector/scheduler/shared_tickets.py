@@ -24,6 +24,7 @@ class SharedTickets:
         # whole prompt: each reads the ticket then, while the staging holds.
         self._share = prefix_caching
         self._loader: dict[TicketKey, str] = {}  # the request loading each ticket
+        self._held: dict[str, TicketKey] = {}  # and back
         self._read: OrderedDict[TicketKey, None] = OrderedDict()
 
     def state(self, key: TicketKey, request_id: str) -> str:
@@ -35,14 +36,15 @@ class SharedTickets:
 
     def hold(self, request_id: str, key: TicketKey) -> None:
         if self._share:
-            self._loader[key] = request_id
+            self._loader[key], self._held[request_id] = request_id, key
 
     def leave(self, request_id: str, spent: bool = True) -> None:
         """The request's load is over (done, failed or aborted: its ticket is spent), or
         it loads nothing after all (``spent`` False: a sibling may still load it)."""
-        for key in [k for k, rid in self._loader.items() if rid == request_id]:
-            del self._loader[key]
-            if spent:
-                self._read[key] = None
-        while len(self._read) > REMEMBERED:
-            self._read.popitem(last=False)
+        if (key := self._held.pop(request_id, None)) is None:
+            return
+        del self._loader[key]
+        if spent:
+            self._read[key] = None
+            if len(self._read) > REMEMBERED:
+                self._read.popitem(last=False)
