@@ -85,12 +85,8 @@ class DecodeLoads:
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             if shared == "busy":
                 return None, False  # vLLM asks again next step
-            if shared == "read":
-                logger.info(
-                    "QAICConnector: request %s shares a ticket another request read (n > 1); "
-                    "it computes what the prefix cache does not hold",
-                    request.request_id,
-                )
+            if shared == "read":  # by a sibling (n > 1): the rest is computed here
+                logger.info("QAICConnector: %s's ticket was read by another", request.request_id)
                 return 0, False
             remote = parsed  # only a ticket that checks out is used, renewed or released
             self.renewer.want(request.request_id, remote)
