@@ -226,9 +226,8 @@ class Proxy:
         out = web.StreamResponse(headers=headers)
         try:
             await out.prepare(request)
-            if first is not None:
+            if first is not None:  # any usage after it (asked, or forced) counts it as answer
                 await out.write(first.events(body.get("stream_options"), final_usage=False))
-            if first is not None:  # any usage in it (asked, or forced by the server) needs it
                 async for line in resp.content:
                     await out.write(first_token.fix_event(line))
             else:
