@@ -36,7 +36,7 @@ NGRAM_DRAFTS = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_m
         # Scheduled asynchronously, as vLLM schedules on a GPU: a step is scheduled before
         # the last one's output is back (vLLM's CPU platform turns it off; the harness
         # launches the servers through testbed/cpu_async_scheduling.py). Concurrency 16:
-        # at 12 the decode preempted nothing in one CI run of stop 48 (16, three runs: 5, 1, 6).
+        # at 12 the decode preempted nothing in one CI run of stop 48 (16, five runs: 5 1 6 4 2).
         {
             **ASYNC,
             "NUM_PROMPTS": "64",
