@@ -335,3 +335,76 @@ def check_answers_match_vllm(
         f"{want_loaded}, 0"
     )
     return {"cases_compared": len(cases), "staged": staged, "kv_loads": loaded}
+
+
+# Fields of a Responses or Messages answer that differ every time (ids, clocks), at any depth.
+CHANGING = ("id", "created_at", "item_id", "kv_transfer_params", "sequence_number")
+
+
+def _scrubbed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _scrubbed(v) for k, v in value.items() if k not in CHANGING}
+    return [_scrubbed(v) for v in value] if isinstance(value, list) else value
+
+
+def _delta_text(event: dict[str, Any]) -> str | None:
+    """A streamed text delta's text (Responses' output_text.delta, Messages' text_delta)."""
+    delta = event.get("delta")
+    if isinstance(delta, str) and str(event.get("type")).endswith("output_text.delta"):
+        return delta
+    return delta.get("text") if isinstance(delta, dict) and "text" in delta else None
+
+
+def _api_answer(url: str, path: str, body: dict[str, Any]) -> Any:
+    """A Responses or Messages answer without what differs every time; a stream as its text
+    and its other events (vLLM may merge deltas when its client lags: their sum is the
+    answer, not where they break)."""
+    with requests.post(url + path, json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200, f"{url}{path}: HTTP {r.status_code} {r.text[:300]}"
+        if not body.get("stream"):
+            return _scrubbed(r.json())
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    texts = [t for e in events if (t := _delta_text(e)) is not None]
+    others = [_scrubbed(e) for e in events if _delta_text(e) is None]
+    return {"text": "".join(texts), "events": others}
+
+
+def check_every_api_matches_vllm(
+    proxy: Server, prefill: VllmServer, decode: VllmServer, fresh: Callable[[int], list[str]]
+) -> dict[str, Any]:
+    """OpenAI's Responses API and Anthropic's Messages API through the proxy, streamed and
+    not, give vLLM's own answers (the prefill serving the request alone, salted away from
+    the handoffs' cached blocks), and each is handed off: staged once and loaded once.
+    Before, the proxy answered 404 to both. Then a route one engine answers (tokenize)."""
+    cases: list[tuple[str, dict[str, Any]]] = []
+    for stream in (False, True):
+        cases.append(("/v1/responses", {"input": fresh(1)[0], "stream": stream}))
+        cases.append(
+            ("/v1/responses", {"input": fresh(1)[0], "instructions": "", "stream": stream})
+        )
+        message = [{"role": "user", "content": fresh(1)[0]}]
+        cases.append(("/v1/messages", {"messages": message, "stream": stream}))
+    limits = {"/v1/responses": "max_output_tokens", "/v1/messages": "max_tokens"}
+    staged0, loaded0 = prefill.metric(SAVED, 0.0), decode.metric(LOADED, 0.0)
+    failed0 = decode.metric(LOAD_FAILURES, 0.0)
+    texts = []
+    for path, case in cases:
+        body = {"model": "model", limits[path]: ANSWER_TOKENS, "temperature": 0.0, **case}
+        got = _api_answer(proxy.url, path, body)
+        want = _api_answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
+        assert got == want, f"{path} {case.keys()}: the proxy's {got} != vLLM's {want}"
+        texts.append(json.dumps(got)[:80])
+    prompt = fresh(1)[0]
+    got, want = (
+        requests.post(u + "/tokenize", json={"model": "model", "prompt": prompt}, timeout=60)
+        for u in (proxy.url, decode.url)
+    )
+    assert got.status_code == 200 and got.json() == want.json(), got.text[:300]
+    time.sleep(1.0)  # the last step's connector stats reach /metrics
+    staged = prefill.metric(SAVED, 0.0) - staged0
+    loaded = decode.metric(LOADED, 0.0) - loaded0
+    failed = decode.metric(LOAD_FAILURES, 0.0) - failed0
+    assert (staged, loaded, failed) == (len(cases), len(cases), 0), (
+        f"staged {staged}, loaded {loaded}, {failed} failed; expected {len(cases)} each, 0"
+    )
+    return {"cases_compared": len(cases), "staged": staged, "kv_loads": loaded}

@@ -1,11 +1,13 @@
-"""The disaggregation proxy: an OpenAI-compatible front door over prefill and decode engines.
+"""The disaggregation proxy: a front door over prefill and decode engines that serves vLLM's
+API (OpenAI's completions, chat and Responses, Anthropic's Messages; `apis`).
 
 Each request is prefilled with one token and ``do_remote_decode`` (never streamed), then
 decoded with the ``kv_transfer_params`` the prefill returned; the decode's answer (or its
 server-sent events, as they come) goes to the client. Where the decode can continue from the
 prefill's token, that token is the client's first (`first_token`). A failed leg is a JSON
 error naming it: 503 unreachable, 504 timed out, 502 a bad answer. When the decode leg fails
-or the client goes away, the prefill is told to release the staged KV at once.
+or the client goes away, the prefill is told to release the staged KV at once. The routes
+that one engine answers (tokenize, embeddings...) are relayed to a decode.
 
     vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...] [--decode-kv HOST:PORT ...]
 """
@@ -27,19 +29,23 @@ from aiohttp import web
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
-from vllm_qaic_proxy import batches, first_token
+from vllm_qaic_proxy import apis, batches, first_token
+from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
 
 logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
 T = TypeVar("T")
 
-# The prefill computes the prompt's KV and one token (the client's first, where it can be).
-PREFILL_OVERRIDES: dict[str, Any] = {"max_tokens": 1, "stream": False, "min_tokens": 0, "n": 1}
-PREFILL_DROPS = (
-    "stream_options", "logprobs", "top_logprobs", "logprob_token_ids", "echo", "prompt_logprobs",
-)  # fmt: skip
-ERROR_TYPES = {502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+ERROR_TYPES = {
+    404: "NotFoundError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout",
+}  # fmt: skip
+# No limit on a leg's time unless the operator sets one: vLLM's server has none, and a long
+# answer not streamed (a reasoning model's 30k tokens) takes as long as it takes. A backend
+# that accepts no connection in this long is down, and another is tried.
+CONNECT_TIMEOUT_S = 10.0
+# What a relayed route passes on of the client's request and of the decode's answer.
+RELAYED_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
@@ -77,26 +83,6 @@ def error_body(status: int, message: str, kind: str | None = None) -> dict[str, 
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
-def prefill_body(body: dict[str, Any], chat: bool, decode_kv: str) -> dict[str, Any]:
-    """The prefill leg: one token, whichever token limit the client used, never streamed.
-    A limit vLLM refuses (0, -1, not a number) stays, so the client gets vLLM's own 400
-    naming it rather than an answer."""
-    out = {k: v for k, v in body.items() if k not in PREFILL_DROPS}
-    out.update(PREFILL_OVERRIDES)
-    if chat or "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    for key, least in (("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 0)):
-        value = body.get(key)
-        if value is not None and (type(value) is not int or value < least):
-            out[key] = value
-    params: dict[str, Any] = {"do_remote_decode": True}
-    if decode_kv:  # the prefill stages straight into that decode's layout
-        host, port = decode_kv.rsplit(":", 1)
-        params.update(decode_host=host, decode_port=int(port))
-    out["kv_transfer_params"] = params
-    return out
-
-
 class Proxy:
     def __init__(
         self,
@@ -105,8 +91,8 @@ class Proxy:
         decode_kv: list[str] | None = None,
         *,
         routing: str = "least-outstanding",
-        prefill_timeout_s: float = 300.0,
-        decode_timeout_s: float = 600.0,
+        prefill_timeout_s: float | None = None,
+        decode_timeout_s: float | None = None,
         key: bytes | None = None,
         first_token_from_prefill: bool = True,
     ) -> None:
@@ -131,10 +117,12 @@ class Proxy:
         assert self._session is not None
         try:
             return await self._session.post(url, json=body, timeout=timeout, headers=auth)
+        except UNANSWERED as exc:
+            raise NoAnswer(
+                503, f"{leg} leg {url} is unreachable: {exc or 'no connection'}"
+            ) from None
         except asyncio.TimeoutError:
             raise LegError(504, f"{leg} leg {url} timed out") from None
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            raise NoAnswer(503, f"{leg} leg {url} is unreachable: {exc}") from None
         except aiohttp.ClientError as exc:
             raise LegError(503, f"{leg} leg {url} is unreachable: {exc}") from None
 
@@ -184,7 +172,7 @@ class Proxy:
     async def _prefill(
         self, url: str, body: dict[str, Any], auth: dict[str, str]
     ) -> dict[str, Any]:
-        timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s)
+        timeout = leg_timeout(total=self.prefill_timeout_s)
         resp = await self._open("prefill", url, body, timeout, auth)
         return await self._json("prefill", url, resp)
 
@@ -217,7 +205,7 @@ class Proxy:
         """The decode's events through as they come (after ``first``'s, once the decode
         has taken the request); False when the client went away. Then the decode's
         connection is closed, which aborts the request there."""
-        timeout = aiohttp.ClientTimeout(sock_read=self.decode_timeout_s)
+        timeout = leg_timeout(sock_read=self.decode_timeout_s)
         resp = await self._open("decode", url, body, timeout, credentials(request))
         if resp.status != 200 or "json" in resp.content_type:
             await self._json("decode", url, resp)  # raises: a stream answers 200 with events
@@ -256,10 +244,10 @@ class Proxy:
             body = await request.json()
         if not isinstance(body, dict):
             return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
-        chat = request.path.endswith("/chat/completions")
-        several = None if chat else batches.prompts(body)
+        api = apis.GENERATING[request.path]
+        several = batches.prompts(body) if api is apis.COMPLETIONS else None
         if several is None:
-            return await self._handoff(request, body, chat)
+            return await self._handoff(request, body, api)
         if body.get("stream"):
             problem = (
                 "a list of prompts with stream=true is not supported through the "
@@ -267,7 +255,7 @@ class Proxy:
             )
             return web.json_response(error_body(400, problem), status=400)
         answers = await asyncio.gather(
-            *(self._handoff(request, {**body, "prompt": p}, chat) for p in several)
+            *(self._handoff(request, {**body, "prompt": p}, api) for p in several)
         )
         status, answer = batches.merged([answer_of(a) for a in answers])
         timings = [t for a in answers if (t := a.headers.get("Server-Timing"))]
@@ -275,21 +263,25 @@ class Proxy:
         return web.json_response(answer, status=status, headers=timing)
 
     async def _handoff(
-        self, request: web.Request, body: dict[str, Any], chat: bool
+        self, request: web.Request, body: dict[str, Any], api: Api
     ) -> web.StreamResponse:
-        """One prompt through a prefill leg and a decode leg; the decode leg alone for a
-        request that scores its prompt (vLLM computes it whole, reading no cache)."""
+        """One prompt through a prefill leg and a decode leg; the decode leg alone where a
+        prefill leg would be wasted or refused (`apis.answers_alone`)."""
         prefill_url, decode_url = self.router.route()
         auth = credentials(request)
-        first_from_prefill = self._first_from_prefill and first_token.eligible(body, chat)
+        first_from_prefill = (
+            self._first_from_prefill
+            and api.first_token_from_prefill
+            and first_token.eligible(body, chat=False)
+        )
         params: dict[str, Any] | None = None
         first: FirstToken | None = None
         timing: dict[str, str] = {}
         done = False
         try:
-            if not scores_the_prompt(body, chat):
+            if apis.answers_alone(body, api) is None:
                 started = time.monotonic()
-                to_prefill = prefill_body(body, chat, self._decode_kv[decode_url])
+                to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
                 if first_from_prefill:
                     to_prefill["return_token_ids"] = True
                 prefilled = await self._failover(
@@ -358,7 +350,7 @@ class Proxy:
     async def _decode(
         self, url: str, path: str, body: dict[str, Any], auth: dict[str, str]
     ) -> dict[str, Any]:
-        timeout = aiohttp.ClientTimeout(total=self.decode_timeout_s)
+        timeout = leg_timeout(total=self.decode_timeout_s)
         resp = await self._open("decode", url + path, body, timeout, auth)
         return await self._json("decode", url, resp)
 
@@ -384,6 +376,64 @@ class Proxy:
                 return web.json_response(await resp.json(content_type=None), status=resp.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             return web.json_response(error_body(503, f"decode {url}: {exc}"), status=503)
+
+    async def relay(self, request: web.Request) -> web.StreamResponse:
+        """A route that one engine answers, from a decode, streamed through as it comes. A
+        stored response (Responses API) from whichever decode holds it."""
+        if not apis.relayed(request.method, request.path):
+            problem = (
+                f"{request.method} {request.path} acts on or reports one engine: send it to "
+                "each engine, not through the disaggregating proxy"
+            )
+            return web.json_response(error_body(404, problem), status=404)
+        data = await request.read()
+        headers = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
+        pool = self.router.decodes
+        try:
+            if not request.path.startswith("/v1/responses/"):
+                leg = lambda url: self._relay(request, url, data, headers, last=True)  # noqa: E731
+                answer = await self._failover(pool, pool.pick(), leg)
+                assert answer is not None
+                return answer
+            holders = list(pool.outstanding)  # the one that stored it answers; the others 404
+            for url in holders:
+                answer = await self._relay(request, url, data, headers, url == holders[-1])
+                if answer is not None:
+                    return answer
+            raise AssertionError("the last decode always answers")
+        except LegError as exc:
+            return exc.response()
+
+    async def _relay(
+        self, request: web.Request, url: str, data: bytes, headers: dict[str, str], last: bool
+    ) -> web.StreamResponse | None:
+        """``url``'s answer to the client's request, streamed back; None (nothing sent)
+        where it answered 404 and is not the ``last`` to ask."""
+        assert self._session is not None
+        target = url + request.path_qs
+        try:
+            resp = await self._session.request(
+                request.method, target, data=data, headers=headers, timeout=leg_timeout()
+            )
+        except UNANSWERED as exc:
+            raise NoAnswer(
+                503, f"decode {target} is unreachable: {exc or 'no connection'}"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise LegError(503, f"decode {target} is unreachable: {exc}") from None
+        try:
+            if resp.status == 404 and not last:
+                return None
+            kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
+            out = web.StreamResponse(status=resp.status, headers=kept)
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            return out
+        finally:
+            resp.close()
 
     async def _backend_health(self, url: str) -> str:
         assert self._session is not None
@@ -418,10 +468,11 @@ class Proxy:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.completions)
+        for path in apis.GENERATING:
+            app.router.add_post(path, self.completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_route("*", "/{path:.*}", self.relay)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -444,12 +495,16 @@ def prefill_ms(timing: str) -> float:
     return float(timing.rpartition("dur=")[2] or 0)
 
 
-def scores_the_prompt(body: dict[str, Any], chat: bool) -> bool:
-    """Prompt logprobs (asked for, or implied by echo with logprobs): vLLM computes such a
-    prompt whole to score it, reading no cache, handed-off KV included. A prefill leg would
-    be wasted, so the request goes to a decode alone."""
-    echoed = not chat and body.get("echo") and body.get("logprobs") is not None
-    return body.get("prompt_logprobs") is not None or bool(echoed)
+def leg_timeout(
+    total: float | None = None, sock_read: float | None = None
+) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total, sock_read=sock_read, sock_connect=CONNECT_TIMEOUT_S)
+
+
+# No answer at all: no connection, or closed before its headers (another backend may serve).
+UNANSWERED = (
+    aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError,
+)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -463,9 +518,11 @@ def main(argv: list[str] | None = None) -> None:
     add("--routing", choices=Router.MODES, default="least-outstanding",
         help="least-outstanding: each leg to the backend with the fewest requests in flight; "
         "pairs: round-robin over every (prefill, decode) pair")  # fmt: skip
-    add("--prefill-timeout-s", type=float, default=300.0, help="whole prefill leg")
-    add("--decode-timeout-s", type=float, default=600.0,
-        help="whole decode leg; when streaming, the longest gap between events")  # fmt: skip
+    add("--prefill-timeout-s", type=float, default=None,
+        help="whole prefill leg (default: no limit, as vLLM's server sets none)")  # fmt: skip
+    add("--decode-timeout-s", type=float, default=None,
+        help="whole decode leg; when streaming, the longest gap between events "
+        "(default: no limit)")  # fmt: skip
     add("--side-channel-key-file", default=None,
         help=f"the prefills' side-channel key, to release early (else ${KEY_ENV})")  # fmt: skip
     add("--first-token", choices=("prefill", "decode"), default="prefill",

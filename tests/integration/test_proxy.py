@@ -22,9 +22,10 @@ from aiohttp import web
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
-from vllm_qaic_proxy import batches, first_token, routing
+from vllm_qaic_proxy import apis, batches, first_token, routing, server
+from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
-from vllm_qaic_proxy.server import HANDLER_CANCELLATION, Proxy, prefill_body
+from vllm_qaic_proxy.server import HANDLER_CANCELLATION, Proxy
 
 PROMPT_IDS, FIRST_ID = [5, 6, 7], 8  # the stand-in prefill's prompt and first token
 CHUNKS = [
@@ -96,7 +97,7 @@ def test_the_prefill_leg_asks_for_one_token_and_never_streams(chat: bool, limit:
         "echo": True,
         "some_new_field": {"x": 1},
     }
-    out = prefill_body(body, chat, "10.0.0.2:5557")
+    out = (apis.CHAT if chat else apis.COMPLETIONS).prefill_body(body, "10.0.0.2:5557")
     limits = {k: out[k] for k in ("max_tokens", "max_completion_tokens") if k in out}
     assert limits and set(limits.values()) == {1}, limits
     if chat or limit == "max_completion_tokens":
@@ -141,11 +142,52 @@ def test_the_prefill_leg_of_a_request_vllm_accepts_is_one_vllm_accepts(
     if chat and "logprobs" in option:  # chat's logprobs: a flag and a count
         body.update(logprobs=True, top_logprobs=option["logprobs"])
     schema.model_validate(body)
-    schema.model_validate(prefill_body(body, chat, "127.0.0.1:5557"))
+    schema.model_validate((apis.CHAT if chat else apis.COMPLETIONS).prefill_body(body, "h:1"))
+
+
+def schema_of(api: Api) -> Any:
+    """vLLM's request model for ``api``."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    return {
+        apis.COMPLETIONS: CompletionRequest, apis.CHAT: ChatCompletionRequest,
+        apis.RESPONSES: ResponsesRequest, apis.MESSAGES: AnthropicMessagesRequest,
+    }[api]  # fmt: skip
+
+
+# A request of each API as a client sends it, streamed, with its own output limit.
+REQUESTS: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": "a b", "max_tokens": 50},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 50},
+    "/v1/responses": {"input": "a b", "max_output_tokens": 50, "instructions": "be brief"},
+    "/v1/messages": {"messages": [{"role": "user", "content": "a b"}], "max_tokens": 50,
+                     "system": "be brief", "stop_sequences": ["."]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(REQUESTS))
+def test_every_api_s_prefill_leg_is_one_token_that_vllm_accepts(path: str) -> None:
+    """vLLM takes kv_transfer_params on each of these; the leg must be valid for vLLM's own
+    request model and ask it for one token, not streamed, storing nothing."""
+    api = apis.GENERATING[path]
+    body = {"model": "m", "stream": True, **REQUESTS[path]}
+    leg = api.prefill_body(body, "10.0.0.2:5557")
+    request = schema_of(api).model_validate(leg)
+    limit = {apis.RESPONSES: "max_output_tokens", apis.CHAT: "max_completion_tokens"}
+    assert getattr(request, limit.get(api, "max_tokens")) == 1 and request.stream is False
+    assert request.kv_transfer_params == {
+        "do_remote_decode": True, "decode_host": "10.0.0.2", "decode_port": 5557,
+    }  # fmt: skip
+    if api is apis.RESPONSES:  # nobody fetches the leg's answer, and its ticket is needed now
+        assert request.store is False and request.background is False
+    assert body["stream"] is True and "kv_transfer_params" not in body  # the client's, as sent
 
 
 def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
-    out = prefill_body({"prompt": "hi"}, False, "")
+    out = apis.COMPLETIONS.prefill_body({"prompt": "hi"}, "")
     assert out["kv_transfer_params"] == {"do_remote_decode": True}
 
 
@@ -207,15 +249,18 @@ class Backend(ABC):
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body)
+        self.stored: set[str] = set()  # the Responses API's stored answers it holds
         self.url = ""
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application(client_max_size=1 << 30)  # as vLLM: any size
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_post("/v1/chat/completions", self._complete)
+        for path in apis.GENERATING:
+            app.router.add_post(path, self._complete)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/v1/responses/{id}", self._stored)
         self._runner, self.url = await serve(app)
 
     async def stop(self) -> None:
@@ -236,6 +281,18 @@ class Backend(ABC):
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response()
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append((request.path, body))
+        key = request.headers.get("Authorization")
+        return web.json_response({"tokens": PROMPT_IDS, "by": self.model, "key": key})
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        """A stored response: only its id's holder has it (vLLM's store is per server)."""
+        if request.match_info["id"] not in self.stored:
+            return web.json_response({"error": {"message": "not found"}}, status=404)
+        return web.json_response({"id": request.match_info["id"], "by": self.model})
 
 
 class Prefill(Backend):
@@ -399,7 +456,7 @@ PROMPT = {"model": "m", "prompt": "hi", "max_tokens": 5}
 # --- end to end -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("path", list(apis.GENERATING))
 async def test_the_decode_gets_the_prefills_params_and_the_client_its_answer(
     prefill: Prefill, decode: Decode, path: str
 ) -> None:
@@ -410,7 +467,8 @@ async def test_the_decode_gets_the_prefills_params_and_the_client_its_answer(
     [(prefill_path, to_prefill)] = prefill.requests
     [(decode_path, to_decode)] = decode.requests
     assert prefill_path == decode_path == path
-    assert to_prefill["max_tokens"] == 1 and to_prefill["kv_transfer_params"]["do_remote_decode"]
+    limit = apis.GENERATING[path].limits[0]
+    assert to_prefill[limit] == 1 and to_prefill["kv_transfer_params"]["do_remote_decode"]
     assert to_decode == {**PROMPT, "temperature": 0, "kv_transfer_params": prefill.params[0]}
 
 
@@ -629,6 +687,101 @@ async def test_models_come_from_a_decode(prefill: Prefill, decode: Decode) -> No
         resp = await client.get("/v1/models")
         assert resp.status == 200
         assert await resp.json() == {"object": "list", "data": [{"id": "decode-model"}]}
+
+
+async def test_routes_one_engine_answers_come_from_a_decode_as_it_answers(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """vLLM's server answers these too, and a client of the proxy calls them (to count
+    tokens, say): before, 404."""
+    headers = {"Authorization": "Bearer k"}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/tokenize", json={"prompt": "a b"}, headers=headers)
+        assert resp.status == 200
+        assert await resp.json() == {"tokens": PROMPT_IDS, "by": "decode-model", "key": "Bearer k"}
+        resp = await client.get("/v1/completions")  # the decode's own answer: 405
+        assert resp.status == 405
+    assert decode.requests == [("/tokenize", {"prompt": "a b"})] and prefill.requests == []
+
+
+@pytest.mark.parametrize(("method", "path"), [("POST", "/sleep"), ("POST", "/v1/load_lora_adapter"),
+                                              ("GET", "/metrics")])  # fmt: skip
+async def test_a_route_that_acts_on_one_engine_is_refused_by_name(
+    prefill: Prefill, decode: Decode, method: str, path: str
+) -> None:
+    """Through the proxy it would reach one engine of the fleet (one decode asleep, one with
+    the adapter, one decode's figures passed off as the fleet's)."""
+    async with proxy([prefill.url], [decode.url]) as client:
+        error = await error_of(await client.request(method, path, json={}), 404)
+    assert f"{method} {path}" in error["message"] and "each engine" in error["message"]
+
+
+async def test_a_stored_response_comes_from_the_decode_that_holds_it(prefill: Prefill) -> None:
+    decodes = [Decode("d1"), Decode("d2")]
+    for backend in decodes:
+        await backend.start()
+    decodes[1].stored.add("resp_1")
+    try:
+        async with proxy([prefill.url], [d.url for d in decodes]) as client:
+            for _ in range(2):  # whichever decode the pool would pick first
+                resp = await client.get("/v1/responses/resp_1")
+                assert resp.status == 200 and (await resp.json())["by"] == "decode-model"
+            assert (await client.get("/v1/responses/resp_2")).status == 404  # nobody's
+    finally:
+        for backend in decodes:
+            await backend.stop()
+
+
+async def test_a_response_continuing_a_stored_one_goes_to_the_decode_alone(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """The prefill does not hold the earlier response, and would refuse the leg."""
+    body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/responses", json=body)
+        assert await resp.json() == decode.answer_for(body)
+    assert prefill.requests == [] and decode.requests == [("/v1/responses", body)]
+
+
+async def test_no_limit_of_the_proxy_s_own_cuts_a_long_answer_short(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    """A decode that takes long to answer (a long answer not streamed): the proxy waits, as
+    vLLM's server sets no limit, until the client gives up; then the staging is released.
+    Before, 504 after 600 s, however long the client would have waited."""
+    with socket.socket() as silent:  # listens (the kernel completes connections), never answers
+        port = free_port()
+        silent.bind(("127.0.0.1", port))
+        silent.listen(8)
+        async with proxy([prefill.url], [f"http://127.0.0.1:{port}"]) as client:
+            with pytest.raises(asyncio.TimeoutError):
+                await client.post("/v1/completions", json=PROMPT, timeout=aiohttp.ClientTimeout(2))
+            assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+async def test_a_backend_that_takes_no_connection_costs_a_retry_on_another(
+    prefill: Prefill, decode: Decode, monkeypatch
+) -> None:
+    """A host that drops connection attempts (down, or its accept queue full) is down: the
+    next decode serves. Before, the request waited for the whole leg's limit, then 504."""
+    monkeypatch.setattr(server, "CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as full:
+        port = free_port()
+        full.bind(("127.0.0.1", port))
+        full.listen(0)  # never accepts: after its queue fills, the kernel drops new attempts
+        queued: list[socket.socket] = []
+        with contextlib.suppress(TimeoutError):  # fill its queue: then an attempt times out
+            while len(queued) < 8:
+                queued.append(socket.create_connection(("127.0.0.1", port), timeout=0.3))
+        try:
+            async with proxy([prefill.url], [f"http://127.0.0.1:{port}", decode.url],
+                             routing="pairs") as client:  # fmt: skip
+                resp = await client.post("/v1/completions", json=PROMPT)
+                assert resp.status == 200, await resp.text()
+        finally:
+            for conn in queued:
+                conn.close()
+    assert len(decode.requests) == 1
 
 
 async def test_a_client_leaving_mid_stream_aborts_the_decode_and_releases(

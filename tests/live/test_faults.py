@@ -759,6 +759,16 @@ class TestShm:
             "answers", **proxy_clients.check_answers_match_vllm(c.proxy, c.prefill, c.decode, fresh)
         )
 
+    def test_l_the_responses_and_messages_apis_equal_vllm_s(self, shm_cluster: Cluster) -> None:
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+
+        def fresh(n: int) -> list[str]:
+            return [p for p, _ in c.prompts(n)]
+
+        check = proxy_clients.check_every_api_matches_vllm(c.proxy, c.prefill, c.decode, fresh)
+        say("responses and messages", **check)
+
     def test_m_a_prompt_list_behind_a_router(self, shm_cluster: Cluster) -> None:
         """A router sends a client's prompt list as it came: the prefill leg with
         NixlConnector's params, the decode leg (policy ``fail``) with what the prefill
