@@ -45,7 +45,8 @@ ERROR_TYPES = {
 # that accepts no connection in this long is down, and another is tried.
 CONNECT_TIMEOUT_S = 10.0
 # What a relayed route passes on of the client's request and of the decode's answer.
-RELAYED_HEADERS = ("Authorization", "Content-Type", "Accept", "X-Request-Id")
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+RELAYED_HEADERS = (*FORWARDED_HEADERS, "Content-Type", "Accept")
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
@@ -479,9 +480,10 @@ class Proxy:
 
 
 def credentials(request: web.Request) -> dict[str, str]:
-    """The client's credentials, for the backends to check (``vllm serve --api-key``)."""
-    auth = request.headers.get("Authorization")
-    return {"Authorization": auth} if auth else {}
+    """The client's headers that the legs carry: its credentials, for the backends to check
+    (``vllm serve --api-key``), and its request id, which vLLM takes as the request's own (so
+    both legs' logs name the client's id, as behind llm-d's sidecar)."""
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
 
 
 def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:

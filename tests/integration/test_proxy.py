@@ -250,6 +250,7 @@ class Backend(ABC):
     def __init__(self) -> None:
         self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body)
         self.stored: set[str] = set()  # the Responses API's stored answers it holds
+        self.request_ids: list[str | None] = []  # each completion request's X-Request-Id
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -270,6 +271,7 @@ class Backend(ABC):
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append((request.path, body))
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         return await self.complete(request, body)
 
     @abstractmethod
@@ -687,6 +689,19 @@ async def test_models_come_from_a_decode(prefill: Prefill, decode: Decode) -> No
         resp = await client.get("/v1/models")
         assert resp.status == 200
         assert await resp.json() == {"object": "list", "data": [{"id": "decode-model"}]}
+
+
+async def test_both_legs_carry_the_client_s_request_id(prefill: Prefill, decode: Decode) -> None:
+    """vLLM takes X-Request-Id as the request's id: with it on both legs, the prefill's and
+    the decode's logs name the client's id. Before, neither leg had it."""
+    prefill.token_ids = True  # the decode continues from the prefill's token
+    async with proxy([prefill.url], [decode.url]) as client:
+        for stream in (False, True):
+            body = {**PROMPT, "stream": stream}
+            resp = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "r7"})
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+    assert prefill.request_ids == decode.request_ids == ["r7", "r7"]
 
 
 async def test_routes_one_engine_answers_come_from_a_decode_as_it_answers(
