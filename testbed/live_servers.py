@@ -201,6 +201,30 @@ def model_copy(dest: Path, other_kv: bool = False) -> Path:
     return dest
 
 
+def eagle_drafter(dest: Path, seed: int = 0) -> Path:
+    """An EAGLE drafter of the shipped model in ``dest`` (vLLM's EagleLlamaForCausalLM: one
+    decoder layer over the token's embedding and the model's hidden state). Random where
+    EAGLE trains it, so it rarely guesses right; its own KV layer is what matters here."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True)
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    for path in MODEL_DIR.glob("*token*"):
+        shutil.copy(path, dest / path.name)
+    base = load_file(MODEL_DIR / "model.safetensors")
+    layer = "model.layers.0."  # the input norm is the drafter's to skip
+    tensors = {n[len("model.") :]: t for n, t in base.items() if n.startswith(layer)
+               and "input_layernorm" not in n}  # fmt: skip
+    tensors["embed_tokens.weight"] = base["model.embed_tokens.weight"]
+    hidden = config["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    tensors["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=g) * 0.05
+    save_file({n: t.contiguous() for n, t in tensors.items()}, dest / "model.safetensors")
+    return dest
+
+
 def lora_adapter(dest: Path, seed: int, rank: int = 8) -> Path:
     """A random LoRA adapter of the shipped model (PEFT's files) on its attention
     projections, in ``dest``: it changes the answers and the KV."""

@@ -46,6 +46,7 @@ from testbed.live_servers import (
     completion_body,
     copy_prompts,
     count_tokens,
+    eagle_drafter,
     free_port,
     hostile_variants,
     is_correct,
@@ -865,6 +866,49 @@ class TestShm:
             for d in decodes.values():
                 d.kill(signal.SIGTERM)
                 d.wait_gone(15)
+
+    def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """EAGLE keeps a KV layer of its own. A prefill and a decode that both run one hand
+        it off with the model's: every load, answers right. A decode that runs one beside
+        the cluster's prefill, which does not, refuses the prefill's KV and recomputes
+        (vLLM's NixlConnector refuses such peers too), and its log says what to change:
+        before, it said only that the peers differ in num_layers."""
+        c = shm_cluster
+        c.ensure(c.prefill)
+        drafter = eagle_drafter(c.run.dir / "eagle-drafter")
+        spec = json.dumps({"method": "eagle", "model": str(drafter), "num_speculative_tokens": 2})
+
+        def engine(name: str, core: str, role: str) -> VllmServer:
+            kv = kv_config(role, c.run.engine_id(name), free_port(), "shm")
+            return c.run.vllm(name, core, kv, extra_args=["--speculative-config", spec])
+
+        prefill, decode = engine("eaglep", "0", "kv_producer"), engine("eagled", "1", "kv_consumer")
+        wait_all_ready(prefill, decode)
+        try:
+            counts = {}
+            for source in (prefill, c.prefill):
+                loaded0, failed0 = decode.metric(LOADED, 0.0), decode.metric(LOAD_FAILURES, 0.0)
+                for prompt, answer in c.prompts(4):
+                    prefill_leg = completion_body(prompt, 1, ROUTER_PARAMS)
+                    r = requests.post(f"{source.url}/v1/completions", json=prefill_leg, timeout=60)
+                    decode_leg = completion_body(prompt, params=r.json()["kv_transfer_params"])
+                    r = requests.post(f"{decode.url}/v1/completions", json=decode_leg, timeout=60)
+                    assert r.status_code == 200 and is_correct(r.json(), answer), r.text[:300]
+                time.sleep(1.0)  # the last step's connector stats reach /metrics
+                counts[source.name] = (
+                    decode.metric(LOADED, 0.0) - loaded0,
+                    decode.metric(LOAD_FAILURES, 0.0) - failed0,
+                )
+            say("an EAGLE decode's loads (loaded, failed)", **counts)
+            assert counts == {"eaglep": (4, 0), "prefill": (0, 4)}
+            log = decode.log_path.read_text(errors="replace")
+            assert "differs in num_layers: ours=3 theirs=2" in log and "--speculative-config" in log
+        finally:
+            for server in (prefill, decode):
+                server.kill(signal.SIGTERM)
+                server.wait_gone(15)
 
     def test_p_a_decode_whose_lora_adapter_differs_recomputes(self, shm_cluster: Cluster) -> None:
         """A prefill and a decode serving LoRA adapters: under the name ``same`` both one

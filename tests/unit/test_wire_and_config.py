@@ -59,6 +59,13 @@ def test_incompatible_peer_names_the_field(field, value):
     assert problem is not None and f"differs in {field}" in problem
 
 
+def test_layers_that_differ_name_the_speculative_drafter_as_a_cause():
+    """A decode running EAGLE beside a prefill that does not: its drafter's KV layer is one
+    more than the prefill's, and the message must say what to change."""
+    problem = incompatibility(rank_meta(num_layers=3), rank_meta(num_layers=2))
+    assert problem is not None and "--speculative-config" in problem
+
+
 @pytest.mark.parametrize(
     ("ours", "theirs", "shared"),
     [

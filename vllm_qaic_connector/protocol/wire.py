@@ -108,6 +108,13 @@ class RankMetadata(msgspec.Struct, frozen=True):
 
 
 COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_size")
+# A speculative drafter (EAGLE, MTP) keeps KV layers of its own: an engine running one and a
+# peer that does not differ in layers though they serve one model.
+FIELD_HINTS = {
+    "num_layers": "; a speculative drafter's (EAGLE, MTP) KV layers count too: run the "
+    "same --speculative-config on the prefill and the decode, as vLLM's NixlConnector needs",
+    "dtype": "; serve both with the same --dtype and --kv-cache-dtype",
+}
 
 
 def compat_hash(
@@ -144,7 +151,8 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     for field in COMPAT_FIELDS:
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
-            return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}"
+            hint = FIELD_HINTS.get(field, "")
+            return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}{hint}"
     if mine.compat_hash != theirs.compat_hash:
         return (
             f"peer {theirs.engine_id!r} has a different compatibility hash: its sliding "
