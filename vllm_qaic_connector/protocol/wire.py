@@ -108,13 +108,10 @@ class RankMetadata(msgspec.Struct, frozen=True):
 
 
 COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_size")
-# A speculative drafter (EAGLE, MTP) keeps KV layers of its own: an engine running one and a
-# peer that does not differ in layers though they serve one model.
-FIELD_HINTS = {
-    "num_layers": "; a speculative drafter's (EAGLE, MTP) KV layers count too: run the "
-    "same --speculative-config on the prefill and the decode, as vLLM's NixlConnector needs",
-    "dtype": "; serve both with the same --dtype and --kv-cache-dtype",
-}
+# A speculative drafter (EAGLE, MTP) keeps KV layers of its own: an engine running one differs
+# in layers from a peer that does not, though both serve one model (vLLM's NixlConnector
+# refuses such peers too).
+DRAFTER_HINT = "; a speculative drafter's KV layers count: run one --speculative-config on both"
 
 
 def compat_hash(
@@ -151,7 +148,7 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     for field in COMPAT_FIELDS:
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
-            hint = FIELD_HINTS.get(field, "")
+            hint = DRAFTER_HINT if field == "num_layers" else ""
             return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}{hint}"
     if mine.compat_hash != theirs.compat_hash:
         return (
