@@ -285,11 +285,19 @@ class Proxy:
                 to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
                 if first_from_prefill:
                     to_prefill["return_token_ids"] = True
-                prefilled = await self._failover(
-                    self.router.prefills,
-                    prefill_url,
-                    lambda url: self._prefill(url + request.path, to_prefill, auth),
-                )
+                try:
+                    prefilled = await self._failover(
+                        self.router.prefills,
+                        prefill_url,
+                        lambda url: self._prefill(url + request.path, to_prefill, auth),
+                    )
+                except LegError as exc:
+                    if exc.body is not None:  # the prefill's own 4xx: the client's to fix
+                        raise
+                    # No prefill served it (all down, or failing): the decode computes the
+                    # prompt itself, slower but answered, as llm-d's sidecar falls back.
+                    logger.warning("%s; the decode computes the prompt itself", exc)
+                    prefilled = {}
                 # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
                 took_ms = (time.monotonic() - started) * 1e3
                 timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}

@@ -299,7 +299,8 @@ class Backend(ABC):
 
 class Prefill(Backend):
     """Answers with staged kv_transfer_params, after ``delay_s``; ``answer`` "kv-error" or
-    "reject" instead says the handoff failed, or refuses the request with HTTP 400."""
+    "reject" instead says the handoff failed, or refuses the request with HTTP 400; "crash"
+    answers HTTP 500."""
 
     model = "prefill-model"
     REJECTION = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
@@ -318,6 +319,9 @@ class Prefill(Backend):
         await asyncio.sleep(self.delay_s)
         if self.answer == "reject":
             return web.json_response(self.REJECTION, status=400)
+        if self.answer == "crash":
+            error = {"error": {"message": "EngineCore died", "code": 500}}
+            return web.json_response(error, status=500)
         if self.answer == "kv-error":
             params: dict[str, Any] = {"error": "staging is full"}
         else:
@@ -591,11 +595,29 @@ async def test_a_decode_answering_non_json_is_502_and_releases_the_staging(
     assert await side.wait_released("pf-1") == ["pf-1"]
 
 
-async def test_a_prefill_leg_down_is_503(decode: Decode) -> None:
-    async with proxy([dead_url()], [decode.url]) as client:
-        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
-    assert "prefill leg" in error["message"]
-    assert decode.requests == []
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_no_prefill_to_serve_it_leaves_the_prompt_to_the_decode(
+    decode: Decode, stream: bool
+) -> None:
+    """Every prefill down (a pool restarting, or dead): the decode computes the prompt and
+    answers, slower, as llm-d's sidecar falls back. Before, every request got 503 while
+    the decodes that could answer it stood idle."""
+    decode.go.set()  # its streams end at once
+    async with proxy([dead_url(), dead_url()], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": stream})
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    assert decode.requests == [("/v1/completions", {**PROMPT, "stream": stream})]
+
+
+async def test_a_failing_prefill_leaves_the_prompt_to_the_decode(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.answer = "crash"  # HTTP 500, as an engine whose core died answers
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert resp.status == 200 and await resp.json() == decode.answer_for(PROMPT)
+    assert decode.requests == [("/v1/completions", PROMPT)]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])

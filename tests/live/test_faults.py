@@ -653,6 +653,25 @@ class TestShm:
     def test_e_prefill_sigkill_before_read(self, shm_cluster: Cluster) -> None:
         check_prefill_killed_before_read(shm_cluster)
 
+    def test_e_no_prefill_behind_the_proxy_leaves_the_prompts_to_the_decode(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """The proxy's only prefill SIGKILLed (the case before leaves it so): the decode
+        computes each prompt itself and every answer is right. Before, each got HTTP 503."""
+        c = shm_cluster
+        c.ensure(c.decode, c.proxy)
+        if c.prefill.alive():
+            c.prefill.kill()
+            assert c.prefill.wait_gone(15)
+        loaded0 = c.decode.metric(LOADED, 0.0)
+        answers = ask_all(c.proxy.url, c.prompts(8), 4)
+        verdicts = [a.verdict for a in answers]
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        loaded = c.decode.metric(LOADED, 0.0) - loaded0
+        say("no prefill behind the proxy", correct=verdicts.count("correct"), of=8, loaded=loaded)
+        assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
+        assert loaded == 0
+
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "prefill")
 
