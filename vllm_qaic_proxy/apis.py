@@ -4,8 +4,7 @@ vLLM takes ``kv_transfer_params`` on four of its generating APIs and returns the
 ticket in each answer: OpenAI's completions, chat completions and Responses, and Anthropic's
 Messages. The legs differ only in the fields that limit the output, so each API is a row
 here; the proxy's two legs are the same for all of them. Every other route of vLLM's server
-is relayed to a decode as it is (`relayed`), or refused by name where it would change one
-engine of a fleet.
+is relayed to a decode as it is (`relayed`), but those that act on one engine of a fleet.
 """
 
 from __future__ import annotations
@@ -64,25 +63,24 @@ RESPONSES = Api("/v1/responses", ("max_output_tokens",), (), {"store": False, "b
 MESSAGES = Api("/v1/messages", ("max_tokens",))
 GENERATING = {api.path: api for api in (COMPLETIONS, CHAT, RESPONSES, MESSAGES)}
 
-# Routes that serve a request on one engine, answered by a decode as they are (and the
-# Responses API's stored answers, by the decode that holds them).
-RELAYED_POSTS = (
-    "/tokenize", "/detokenize", "/v1/embeddings", "/pooling", "/classify", "/score",
-    "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages/count_tokens",
-    "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations",
-)  # fmt: skip
-ONE_ENGINE_GETS = ("/metrics",)  # one decode's figures would pass for the fleet's
+# Routes that act on or report one engine (its state, weights, adapters, profiler, caches,
+# metrics): through the proxy they would reach one engine of the fleet, so they go to each
+# engine directly. Every other route serves a request on one engine, and a decode answers it.
+ONE_ENGINE = frozenset({
+    "/sleep", "/wake_up", "/pause", "/resume", "/reset_prefix_cache", "/reset_mm_cache",
+    "/reset_encoder_cache", "/release_kv_cache_memory", "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter", "/start_profile", "/stop_profile", "/collective_rpc",
+    "/update_weights", "/start_weight_update", "/finish_weight_update", "/update_weight_version",
+    "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+    "/start_draft_weight_update", "/scale_elastic_ep", "/abort_requests",
+    "/inference/v1/abort_requests", "/fault_tolerance/apply", "/metrics",
+})  # fmt: skip
 
 
-def relayed(method: str, path: str) -> bool:
-    """Whether a decode answers this route for the fleet. Not a POST that changes an engine
-    (sleep, load a LoRA adapter, reset a cache...): through the proxy it would reach one
-    engine of many, so it goes to each engine directly."""
-    if path.startswith("/v1/responses/"):  # fetch, cancel or delete a stored response
-        return True
-    if method in ("GET", "HEAD"):
-        return path not in ONE_ENGINE_GETS
-    return method == "POST" and path in RELAYED_POSTS
+def relayed(path: str) -> bool:
+    """Whether a decode answers this route for the fleet (tokenize, embeddings, render,
+    a stored Responses answer...)."""
+    return path not in ONE_ENGINE
 
 
 def answers_alone(body: dict[str, Any], api: Api) -> str | None:

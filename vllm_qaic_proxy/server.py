@@ -389,7 +389,7 @@ class Proxy:
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A route that one engine answers, from a decode, streamed through as it comes. A
         stored response (Responses API) from whichever decode holds it."""
-        if not apis.relayed(request.method, request.path):
+        if not apis.relayed(request.path):
             problem = (
                 f"{request.method} {request.path} acts on or reports one engine: send it to "
                 "each engine, not through the disaggregating proxy"
