@@ -454,14 +454,17 @@ class Proxy:
             return f"unreachable: {exc or type(exc).__name__}"
 
     async def health(self, _: web.Request) -> web.Response:
-        """200 while at least one prefill and one decode answer their /health."""
+        """200 while a decode answers its /health: the proxy serves (with no prefill up,
+        slower: ``degraded``, the decodes computing the prompts)."""
         report: dict[str, dict[str, str]] = {}
         for role, pool in (("prefill", self.router.prefills), ("decode", self.router.decodes)):
             urls = list(pool.outstanding)
             states = await asyncio.gather(*(self._backend_health(u) for u in urls))
             report[role] = dict(zip(urls, states, strict=True))
-        ok = all("ok" in states.values() for states in report.values())
-        return web.json_response({"ok": ok, **report}, status=200 if ok else 503)
+        ok = "ok" in report["decode"].values()
+        degraded = "ok" not in report["prefill"].values()
+        body = {"ok": ok, "degraded": degraded, **report}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def _start(self, _: web.Application) -> None:
         # No cap on connections (aiohttp's is 100, and a stream holds one to its end: the

@@ -695,6 +695,7 @@ async def test_health_lists_each_backend(prefill: Prefill, decode: Decode) -> No
         assert resp.status == 200
         assert await resp.json() == {
             "ok": True,
+            "degraded": False,
             "prefill": {prefill.url: "ok"},
             "decode": {decode.url: "ok"},
         }
@@ -705,6 +706,9 @@ async def test_health_lists_each_backend(prefill: Prefill, decode: Decode) -> No
         report = await resp.json()
     assert report["ok"] is False and report["prefill"] == {prefill.url: "ok"}
     assert report["decode"][dead].startswith("unreachable")
+    async with proxy([dead], [decode.url]) as client:  # it serves: the decodes compute
+        resp = await client.get("/health")
+        assert resp.status == 200 and (await resp.json())["degraded"] is True
 
 
 async def test_models_come_from_a_decode(prefill: Prefill, decode: Decode) -> None:
