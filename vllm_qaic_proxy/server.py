@@ -202,15 +202,16 @@ class Proxy:
         body: dict[str, Any],
         headers: dict[str, str],
         first: FirstToken | None,
+        leg: str = "decode",
     ) -> tuple[web.StreamResponse, bool]:
         """The decode's events through as they come (after ``first``'s, once the decode
         has taken the request); False when the client went away. Then the decode's
         connection is closed, which aborts the request there."""
         timeout = leg_timeout(sock_read=self.decode_timeout_s)
-        resp = await self._open("decode", url, body, timeout, credentials(request))
+        resp = await self._open(leg, url, body, timeout, credentials(request))
         if resp.status != 200 or "json" in resp.content_type:
-            await self._json("decode", url, resp)  # raises: a stream answers 200 with events
-            raise LegError(502, f"decode leg {url} answered a stream request with JSON")
+            await self._json(leg, url, resp)  # raises: a stream answers 200 with events
+            raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
         headers["Content-Type"] = resp.headers.get("Content-Type", "")
         out = web.StreamResponse(headers=headers)
         try:
@@ -228,8 +229,8 @@ class Proxy:
             return out, False
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # Headers are out: the client learns of the failure as a last event.
-            logger.warning("decode leg %s broke off a stream: %s", url, exc)
-            err = error_body(502, f"decode leg {url} broke off the stream: {exc}")
+            logger.warning("%s leg %s broke off a stream: %s", leg, url, exc)
+            err = error_body(502, f"{leg} leg {url} broke off the stream: {exc}")
             with contextlib.suppress(ConnectionResetError):
                 await out.write(f"data: {json.dumps(err)}\n\n".encode())
             return out, False
@@ -315,25 +316,45 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             else:
                 to_decode = {**body, "kv_transfer_params": params} if params else body
-            if body.get("stream"):
-                response, done = await self._failover(
-                    self.router.decodes,
-                    decode_url,
-                    lambda url: self._stream(request, url + request.path, to_decode, timing, first),
+            try:
+                response, done = await self._answer(
+                    request, "decode", decode_url, to_decode, first, timing
                 )
-                return response
-            answer = await self._failover(
-                self.router.decodes,
-                decode_url,
-                lambda url: self._decode(url, request.path, to_decode, auth),
-            )
-            done = True
-            return web.json_response(first.joined(answer) if first else answer, headers=timing)
+            except NoAnswer as exc:
+                # No decode took it: a prefill answers it whole (its prefix cache holds the
+                # prompt by now), and the staged KV is released.
+                logger.warning("%s; a prefill answers the whole request", exc)
+                response, _ = await self._answer(request, "prefill", prefill_url, body, None, {})
+            return response
         except LegError as exc:
             return exc.response()
         finally:
             if not done and isinstance(params, dict):
                 self._release(params)
+
+    async def _answer(
+        self,
+        request: web.Request,
+        leg: str,
+        url: str,
+        body: dict[str, Any],
+        first: FirstToken | None,
+        timing: dict[str, str],
+    ) -> tuple[web.StreamResponse, bool]:
+        """The client's answer from ``url`` or another backend of its kind (streamed as it
+        comes, or whole, with the ``timing`` header), and whether it was all sent."""
+        pool = self.router.decodes if leg == "decode" else self.router.prefills
+        if body.get("stream"):
+            return await self._failover(
+                pool,
+                url,
+                lambda u: self._stream(request, u + request.path, body, timing, first, leg),
+            )
+        auth = credentials(request)
+        answer = await self._failover(
+            pool, url, lambda u: self._decode(u, request.path, body, auth, leg)
+        )
+        return web.json_response(first.joined(answer) if first else answer, headers=timing), True
 
     async def _context(self, decode_url: str, auth: dict[str, str]) -> int | None:
         """The decode's max_model_len, from its /v1/models once; None where it names none
@@ -357,11 +378,11 @@ class Proxy:
         return self._contexts[decode_url]
 
     async def _decode(
-        self, url: str, path: str, body: dict[str, Any], auth: dict[str, str]
+        self, url: str, path: str, body: dict[str, Any], auth: dict[str, str], leg: str
     ) -> dict[str, Any]:
         timeout = leg_timeout(total=self.decode_timeout_s)
-        resp = await self._open("decode", url + path, body, timeout, auth)
-        return await self._json("decode", url, resp)
+        resp = await self._open(leg, url + path, body, timeout, auth)
+        return await self._json(leg, url, resp)
 
     async def _prefill_only(
         self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]

@@ -323,6 +323,12 @@ class Prefill(Backend):
         if self.answer == "crash":
             error = {"error": {"message": "EngineCore died", "code": 500}}
             return web.json_response(error, status=500)
+        if body.get("stream"):  # a whole request, as when no decode could take it
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            for chunk in CHUNKS:
+                await out.write(chunk)
+            return out
         if self.answer == "kv-error":
             params: dict[str, Any] = {"error": "staging is full"}
         else:
@@ -564,13 +570,26 @@ async def test_a_busy_decode_gets_no_requests_while_another_is_idle(
     assert len(decode.requests) == 1 and len(idle.requests) == 3
 
 
-async def test_a_decode_leg_down_is_503_and_releases_the_staging(
-    prefill: Prefill, side: SideChannel
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_no_decode_to_serve_it_leaves_the_request_to_a_prefill_and_releases_the_staging(
+    prefill: Prefill, side: SideChannel, stream: bool
 ) -> None:
+    """Every decode down: a prefill answers the request whole (the prompt is in its prefix
+    cache by then), and the KV it staged is released. Before, HTTP 503."""
+    body = {**PROMPT, "stream": stream}
     async with proxy([prefill.url], [dead_url()]) as client:
-        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
-    assert "decode leg" in error["message"] and "unreachable" in error["message"]
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    [(_, leg), (_, whole)] = prefill.requests
+    assert leg["kv_transfer_params"]["do_remote_decode"] and whole == body
     assert await side.wait_released("pf-1") == ["pf-1"]
+
+
+async def test_no_backend_at_all_is_503(decode: Decode) -> None:
+    async with proxy([dead_url()], [dead_url()]) as client:
+        error = await error_of(await client.post("/v1/completions", json=PROMPT), 503)
+    assert "unreachable" in error["message"]
 
 
 async def test_a_silent_decode_leg_is_504_and_releases_the_staging(

@@ -647,6 +647,32 @@ class TestShm:
             f"({LEASE_S}s) of the dead decode's requests ran out and the prefill stepped"
         )
 
+    def test_d_no_decode_behind_the_proxy_leaves_the_requests_to_the_prefill(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """The proxy's only decode SIGKILLed (the case before leaves it so): the prefill
+        answers each request whole, every answer right, and the KV it staged for them is
+        released at once, not held for its lease. Before, each got HTTP 503."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.proxy)
+        if c.decode.alive():
+            c.decode.kill()
+            assert c.decode.wait_gone(15)
+
+        def pages_after_a_step() -> float:  # a step refreshes the staging gauge
+            complete(c.prefill.url, c.prompts(1)[0][0], max_tokens=1)
+            return c.prefill.metric(PAGES_IN_USE)
+
+        # The case before left a ticket staged: its lease runs out first.
+        assert poll_until(lambda: pages_after_a_step() == 0, LEASE_S + 5, 0.5)[0]
+        answers = ask_all(c.proxy.url, c.prompts(8), 4)
+        verdicts = [a.verdict for a in answers]
+        # Within half the lease: released (the proxy's message), not expired.
+        freed, _ = poll_until(lambda: pages_after_a_step() == 0, LEASE_S / 2, 0.2)
+        say("no decode behind the proxy", correct=verdicts.count("correct"), of=8, freed=freed)
+        assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
+        assert freed, f"{c.prefill.metric(PAGES_IN_USE)} staging pages still in use"
+
     def test_f_decode_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "decode")
 
