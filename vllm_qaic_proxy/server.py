@@ -352,7 +352,7 @@ class Proxy:
             )
         auth = credentials(request)
         answer = await self._failover(
-            pool, url, lambda u: self._decode(u, request.path, body, auth, leg)
+            pool, url, lambda u: self._whole(u, request.path, body, auth, leg)
         )
         return web.json_response(first.joined(answer) if first else answer, headers=timing), True
 
@@ -377,9 +377,10 @@ class Proxy:
             self._contexts[decode_url] = found if isinstance(found, int) else None
         return self._contexts[decode_url]
 
-    async def _decode(
+    async def _whole(
         self, url: str, path: str, body: dict[str, Any], auth: dict[str, str], leg: str
     ) -> dict[str, Any]:
+        """A leg's whole answer, not streamed."""
         timeout = leg_timeout(total=self.decode_timeout_s)
         resp = await self._open(leg, url + path, body, timeout, auth)
         return await self._json(leg, url, resp)
