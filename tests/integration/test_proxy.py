@@ -840,10 +840,11 @@ async def test_a_backend_that_takes_no_connection_costs_a_retry_on_another(
         with contextlib.suppress(TimeoutError):  # fill its queue: then an attempt times out
             while len(queued) < 8:
                 queued.append(socket.create_connection(("127.0.0.1", port), timeout=0.3))
+        assert len(queued) < 8, "the kernel took every connection: no host drops them here"
         try:
             async with proxy([prefill.url], [f"http://127.0.0.1:{port}", decode.url],
                              routing="pairs") as client:  # fmt: skip
-                resp = await client.post("/v1/completions", json=PROMPT)
+                resp = await client.post("/v1/completions", json=PROMPT, timeout=WAIT_S * 2)
                 assert resp.status == 200, await resp.text()
         finally:
             for conn in queued:
