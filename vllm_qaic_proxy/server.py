@@ -78,6 +78,11 @@ class NoAnswer(LegError):
     another backend of the same kind may take the request."""
 
 
+class NotHere(NoAnswer):
+    """The backend is up but does not hold what was asked for (a stored response: vLLM's
+    store is per server), so another may; ``body`` is its 404, the answer if none does."""
+
+
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
     kind = kind or ERROR_TYPES.get(status, "BadRequestError")
@@ -164,7 +169,8 @@ class Proxy:
                 with pool.busy(url):
                     return await leg(url)
             except NoAnswer as exc:
-                pool.mark_down(url)
+                if not isinstance(exc, NotHere):
+                    pool.mark_down(url)
                 if url == tried[-1]:
                     raise
                 logger.warning("%s; trying the next", exc)
@@ -419,27 +425,20 @@ class Proxy:
             return web.json_response(error_body(404, problem), status=404)
         data = await request.read()
         headers = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
+        stored = request.path.startswith("/v1/responses/")  # one decode holds it, others 404
         pool = self.router.decodes
         try:
-            if not request.path.startswith("/v1/responses/"):
-                leg = lambda url: self._relay(request, url, data, headers, last=True)  # noqa: E731
-                answer = await self._failover(pool, pool.pick(), leg)
-                assert answer is not None
-                return answer
-            holders = list(pool.outstanding)  # the one that stored it answers; the others 404
-            for url in holders:
-                answer = await self._relay(request, url, data, headers, url == holders[-1])
-                if answer is not None:
-                    return answer
-            raise AssertionError("the last decode always answers")
+            return await self._failover(
+                pool, pool.pick(), lambda url: self._relay(request, url, data, headers, stored)
+            )
         except LegError as exc:
             return exc.response()
 
     async def _relay(
-        self, request: web.Request, url: str, data: bytes, headers: dict[str, str], last: bool
-    ) -> web.StreamResponse | None:
-        """``url``'s answer to the client's request, streamed back; None (nothing sent)
-        where it answered 404 and is not the ``last`` to ask."""
+        self, request: web.Request, url: str, data: bytes, headers: dict[str, str], stored: bool
+    ) -> web.StreamResponse:
+        """``url``'s answer to the client's request, streamed back. A 404 for a ``stored``
+        response is NotHere: another decode may hold it."""
         assert self._session is not None
         target = url + request.path_qs
         try:
@@ -453,8 +452,11 @@ class Proxy:
         except aiohttp.ClientError as exc:
             raise LegError(503, f"decode {target} is unreachable: {exc}") from None
         try:
-            if resp.status == 404 and not last:
-                return None
+            if resp.status == 404 and stored:
+                missing = None
+                with contextlib.suppress(ValueError, aiohttp.ClientError):
+                    missing = await resp.json(content_type=None)
+                raise NotHere(404, f"decode {url} does not hold it", missing)
             kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
             out = web.StreamResponse(status=resp.status, headers=kept)
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):

@@ -799,6 +799,23 @@ async def test_a_stored_response_comes_from_the_decode_that_holds_it(prefill: Pr
             await backend.stop()
 
 
+async def test_a_stored_response_is_found_past_a_dead_decode(prefill: Prefill) -> None:
+    """One decode SIGKILLed beside the one that holds the response: the holder answers.
+    Before, the search stopped at the dead decode with a 503."""
+    holder = Decode("d2")
+    await holder.start()
+    holder.stored.add("resp_1")
+    try:
+        async with proxy([prefill.url], [dead_url(), holder.url], routing="pairs") as client:
+            for _ in range(2):
+                resp = await client.get("/v1/responses/resp_1")
+                assert resp.status == 200, await resp.text()
+            resp = await client.get("/v1/responses/resp_2")
+            assert resp.status == 404 and await resp.json() == {"error": {"message": "not found"}}
+    finally:
+        await holder.stop()
+
+
 async def test_a_response_continuing_a_stored_one_goes_to_the_decode_alone(
     prefill: Prefill, decode: Decode
 ) -> None:
