@@ -619,11 +619,13 @@ class VllmServer(Server):
 
     @property
     def side_channel(self) -> str:
-        """``127.0.0.1:PORT`` of the connector's side channel (fixed ports only)."""
+        """``HOST:PORT`` of the connector's side channel (fixed ports only), an IPv6 host
+        bracketed."""
         assert self.kv is not None
-        port = self.kv["kv_connector_extra_config"]["side_channel_port"]
+        extra = self.kv["kv_connector_extra_config"]
+        port, host = extra["side_channel_port"], extra.get("side_channel_host", "127.0.0.1")
         assert port, "side_channel_port 0: the port is only known from kv_transfer_params"
-        return f"127.0.0.1:{port}"
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     @property
     def engine_id(self) -> str:
@@ -706,10 +708,14 @@ class LiveRun:
         return server
 
     def proxy(
-        self, prefills: list[str], decodes: list[str], decode_kvs: list[str] | None = None
+        self,
+        prefills: list[str],
+        decodes: list[str],
+        decode_kvs: list[str] | None = None,
+        host: str = "127.0.0.1",
     ) -> Server:
         port = free_port()
-        argv = [str(PY), "-m", "vllm_qaic_proxy", "--port", str(port)]
+        argv = [str(PY), "-m", "vllm_qaic_proxy", "--host", host, "--port", str(port)]
         argv += ["--prefill", *prefills, "--decode", *decodes]
         if decode_kvs:
             argv += ["--decode-kv", *decode_kvs]

@@ -565,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     add("--first-token", choices=("prefill", "decode"), default="prefill",
         help="prefill: where the decode can continue from it, the prefill's token is "
         "the client's first; decode: the decode's is, as in vLLM's toy proxy")  # fmt: skip
-    add("--host", default="127.0.0.1")
+    add("--host", default="127.0.0.1",
+        help="as vLLM's --host: '::' or '0.0.0.0' listen on every address")  # fmt: skip
     add("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     if args.decode_kv and len(args.decode_kv) != len(args.decode):
@@ -582,9 +583,15 @@ def main(argv: list[str] | None = None) -> None:
         first_token_from_prefill=args.first_token == "prefill",
     )
     web.run_app(
-        proxy.app(), host=args.host, port=args.port, print=None, loop=_event_loop(),
+        proxy.app(), host=listen_hosts(args.host), port=args.port, print=None, loop=_event_loop(),
         handler_cancellation=HANDLER_CANCELLATION,
     )  # fmt: skip
+
+
+def listen_hosts(host: str) -> list[str]:
+    """Where to listen. asyncio makes an IPv6 listener v6-only, where vLLM's (uvicorn's) on
+    '::' also takes IPv4 clients: '::' listens on both, as vLLM does."""
+    return [host, "0.0.0.0"] if host.strip("[]") == "::" else [host.strip("[]")]
 
 
 def _event_loop() -> asyncio.AbstractEventLoop:

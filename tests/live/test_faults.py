@@ -151,7 +151,12 @@ class Cluster:
     decode: VllmServer  # kv_load_failure_policy=recompute, behind the proxy
     decode_fail: VllmServer  # kv_load_failure_policy=fail, spoken to directly
     proxy: Server
+    ipv6: bool = False  # the engines reached at [::1], their side channels on ::1
     prompt_seed: int = 0
+
+    def host_named(self, server: Server) -> str:
+        """``server``'s URL by the name a router knows it by: a host name, or [::1]."""
+        return server.url.replace("127.0.0.1", "[::1]" if self.ipv6 else "localhost")
 
     def ensure(self, *servers: Server) -> None:
         """Restarts (same ports, same engine ids) whichever of ``servers`` is down."""
@@ -166,10 +171,12 @@ class Cluster:
         return copy_prompts(n, f"{self.transport}-{self.prompt_seed}", tokens)
 
 
-def start_cluster(label: str, transport: str, keyed: bool) -> Cluster:
+def start_cluster(label: str, transport: str, keyed: bool, ipv6: bool = False) -> Cluster:
     """``keyed``: with a side-channel key, the prefill's from the environment, the decodes'
     from a key file (both ways a key can come). Unkeyed, as the loopback default runs, a
-    client can point a decode at any peer: the cases for dead and silent peers need that."""
+    client can point a decode at any peer: the cases for dead and silent peers need that.
+    ``ipv6``: side channels on ::1, the engines and the proxy on :: (IPv4 clients too, as
+    vLLM's), the proxy reaching the engines at [::1]."""
     run = LiveRun(label)
     try:
         t0 = time.monotonic()
@@ -180,21 +187,28 @@ def start_cluster(label: str, transport: str, keyed: bool) -> Cluster:
             p_env = {KEY_ENV: Path(key_file).read_text()}
             d_extra["side_channel_key_file"] = key_file
 
+        listen = ["--host", "::"] if ipv6 else []
+        if ipv6:
+            d_extra["side_channel_host"] = "::1"
+
         def start(name: str, core: str, role: str, letter: str, policy: str, **kw: Any) -> Any:
             kv = kv_config(role, run.engine_id(letter), free_port(), transport, policy, **kw)
             env = p_env if role == "kv_producer" else None
             chat = ["--chat-template", proxy_clients.CHAT_TEMPLATE]  # the model has none
-            return run.vllm(name, core, kv, extra_args=chat, extra_env=env)
+            return run.vllm(name, core, kv, extra_args=chat + listen, extra_env=env)
 
         # Over NIXL direct reads are opt-in (they expose the KV cache to keyed peers).
         direct = {"nixl_direct_reads": True} if transport == "nixl" else {}
-        prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S, **direct)
+        p_extra = {"side_channel_host": "::1"} if ipv6 else {}
+        prefill = start("prefill", "0", "kv_producer", "p", "recompute", lease_s=LEASE_S,
+                        **p_extra, **direct)  # fmt: skip
         decode = start("decode", "1", "kv_consumer", "d", "recompute", **d_extra, **direct)
         decode_fail = start("decodefail", "1", "kv_consumer", "f", "fail", **d_extra, **direct)
-        proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
+        urls = [s.url.replace("127.0.0.1", "[::1]") if ipv6 else s.url for s in (prefill, decode)]
+        proxy = run.proxy(urls[:1], urls[1:], [decode.side_channel], "::" if ipv6 else "127.0.0.1")
         ready = wait_all_ready(prefill, decode, decode_fail, proxy, retries=1)
         say(f"{transport} servers", ready_after_s=ready, total_s=round(time.monotonic() - t0, 1))
-        return Cluster(run, transport, prefill, decode, decode_fail, proxy)
+        return Cluster(run, transport, prefill, decode, decode_fail, proxy, ipv6)
     except BaseException:
         run.keep = True  # the logs say why
         print(run.close().summary())
@@ -221,7 +235,7 @@ def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 @pytest.fixture(scope="class")
 def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     pytest.importorskip("nixl")
-    cluster = start_cluster("faultnixl", "nixl", keyed=True)
+    cluster = start_cluster("faultnixl", "nixl", keyed=True, ipv6=True)  # IPv6 nowhere else
     failed = request.session.testsfailed
     yield cluster
     finish_cluster(cluster, request.session.testsfailed > failed)
@@ -1133,12 +1147,12 @@ class TestNixl:
         disaggregated_prefill_orchestrated``): the prefill leg is the client's body with
         NixlConnector's params and ``max_tokens`` 1, not streamed; the decode leg is the
         client's body with the prefill's params, their ``remote_host`` overwritten with the
-        host of the prefill's URL (it reaches the prefill as ``localhost`` here); the same
+        host of the prefill's URL (it reaches the prefill as ``[::1]`` here); the same
         ``X-Request-Id`` on both. Signed tickets load. Before, the MAC covered the host, so
         every ticket this router passed was refused and its prompt recomputed."""
         c = nixl_cluster
         c.ensure(c.prefill, c.decode)
-        prefill_url = c.prefill.url.replace("127.0.0.1", "localhost")
+        prefill_url = c.host_named(c.prefill)
         loaded0, failed0 = (c.decode.metric(n, 0.0) for n in (LOADED, LOAD_FAILURES))
         for i, (prompt, answer) in enumerate(c.prompts(3)):
             headers = {"X-Request-Id": f"stack-{c.prompt_seed}-{i}"}
@@ -1149,8 +1163,11 @@ class TestNixl:
                               headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
             assert r.status_code == 200, r.text[:300]
             params = r.json()["kv_transfer_params"]
-            assert params["remote_host"] != "localhost"  # the router's edit is one
-            params["remote_host"] = urlsplit(prefill_url).hostname
+            # The URL's host as written ([::1] bracketed, as a router that cuts the port
+            # off the address passes it): an edit, as with a name.
+            host = urlsplit(prefill_url).netloc.rsplit(":", 1)[0]
+            assert params["remote_host"] != host
+            params["remote_host"] = host
             decode_leg = {**client, "kv_transfer_params": params}
             r = requests.post(f"{c.decode.url}/v1/completions", json=decode_leg,
                               headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip

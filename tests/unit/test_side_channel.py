@@ -169,6 +169,20 @@ def test_raising_handler_answers_with_an_error():
         srv.close()
 
 
+@pytest.mark.parametrize(
+    ("bound", "asked"),
+    [("::1", "::1"), ("::1", "[::1]"), ("[::1]", "::1"), ("127.0.0.1", "localhost")],
+)
+def test_ipv6_hosts_serve_bracketed_or_not(bound, asked):
+    """An IPv6 side channel (an IPv6-only cluster's pod address), named as operators and
+    routers write it: before, its engine failed to start (libzmq wants [::1], and IPv6 on)."""
+    srv = SideChannelServer(bound, 0, echo, KEY)
+    try:
+        assert side_channel.call(asked, srv.port, HandshakeRequest(1, "x"), KEY, 10.0) == Ok()
+    finally:
+        srv.close()
+
+
 def test_call_to_a_malformed_address_is_a_connection_error():
     with pytest.raises(ConnectionError):
         side_channel.call("bad host!", 5, Ok(), None, 1.0)

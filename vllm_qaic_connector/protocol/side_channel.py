@@ -6,6 +6,7 @@ are answered with an ErrorReply where the envelope allows a reply, and dropped o
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import threading
 import time
@@ -32,6 +33,25 @@ MAX_REPLY_BYTES = 64 << 20  # handshake replies carry NIXL agent metadata
 SEND_TIMEOUT_MS = 1000
 COMPLAIN_EVERY_S = 10.0
 MAX_AGE_S = 30.0  # with a key, frames sent longer ago (or later) than this are refused
+
+
+def endpoint(host: str, port: int | None = None) -> str:
+    """ZMQ's address of ``host`` (a name, IPv4, or IPv6 with or without brackets), which
+    needs an IPv6 literal bracketed (its sockets also need ``zmq.IPV6`` on)."""
+    host = host.strip("[]")
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass  # a DNS name
+    return f"tcp://{host}" + (f":{port}" if port else "")
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # else libzmq refuses IPv6 addresses (and v6-only names)
+    return sock
 
 
 class ReplayGuard:
@@ -86,14 +106,13 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int, handler: Handler, key: bytes | None) -> None:
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = _socket(self._ctx, zmq.ROUTER)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         try:
             if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port or self._sock.bind_to_random_port(f"tcp://{host}")
+                self._sock.bind(endpoint(host, port))
+            self.port = port or self._sock.bind_to_random_port(endpoint(host))
         except zmq.ZMQError:
             self._sock.close(0)
             self._ctx.term()
@@ -163,14 +182,13 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
     """One request/reply round trip. Raises ConnectionError on timeout, a malformed address
     or reply, or an error reply (SideChannelTimeout, a ConnectionError, on timeout)."""
     ctx: zmq.Context = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = _socket(ctx, zmq.REQ)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     nonce = secrets.token_bytes(NONCE_BYTES)
     try:
-        sock.connect(f"tcp://{host}:{port}")
+        sock.connect(endpoint(host, port))
         sock.send(encode_message(msg, key, nonce=nonce))
         envelope = open_message(sock.recv(), key)
         if key and envelope.in_reply_to != nonce:  # a replayed, or someone else's, reply
