@@ -15,6 +15,7 @@ logger = get_logger(__name__)
 DEFAULT_STAGING_BYTES = 256 << 20  # the pool's floor
 MAX_AUTO_STAGING = 4 << 30  # and the most it takes unasked: host memory on every staging rank
 MAX_BLOCK_TOKENS = 1024  # the largest decode block a staged prompt's layers round up to
+EVERY_ADDRESS = ("0.0.0.0", "::", "")  # binds that no peer can dial
 
 
 class ConnectorConfig(
@@ -83,9 +84,25 @@ class ConnectorConfig(
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"decode_peers: {peer!r} is not host:port")
 
-    @property
+    @cached_property
     def advertise_host(self) -> str:
-        return self.side_channel_advertise_host or self.side_channel_host
+        """The host peers dial. Bound to every address (0.0.0.0, ::), that is this host's
+        own address as vLLM finds it (``VLLM_HOST_IP``, else the default route's): a ticket
+        naming 0.0.0.0 sends each decode to itself."""
+        if self.side_channel_advertise_host:
+            return self.side_channel_advertise_host
+        if self.side_channel_host.strip("[]") not in EVERY_ADDRESS:
+            return self.side_channel_host
+        from vllm.utils.network_utils import get_ip  # only a wildcard bind asks vLLM
+
+        found = get_ip()
+        if found in EVERY_ADDRESS:
+            raise ValueError(
+                f"side_channel_host {self.side_channel_host!r} listens on every address, but "
+                "this host has none to advertise (no default route): set "
+                "side_channel_advertise_host, or VLLM_HOST_IP"
+            )
+        return found
 
     @property
     def decode_sides(self) -> list[tuple[str, int]]:
@@ -148,6 +165,7 @@ def parse_config(extra: dict[str, Any] | None) -> ConnectorConfig:
     except msgspec.ValidationError as exc:
         raise ValueError(f"invalid kv_connector_extra_config: {exc}") from None
     key = cfg.shared_key  # an unusable key fails at start-up, by name
+    _ = cfg.advertise_host  # and a wildcard bind with no address to advertise
     if not (key or cfg.allow_unauthenticated or is_loopback(cfg.side_channel_host)):
         # Off loopback, anyone who reaches the port could read and free staged KV.
         raise ValueError(

@@ -19,13 +19,16 @@ import zmq
 
 from testbed.ranks import rank_meta
 from testbed.vllm_harness import BS, make_request, make_scheduler, params_of, step
-from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.config import is_loopback, parse_config
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (
+    PROTOCOL_VERSION,
     Envelope,
     ErrorReply,
+    HandshakeReply,
+    HandshakeRequest,
     Message,
     Ok,
     ReleaseRequest,
@@ -97,6 +100,32 @@ def test_non_loopback_bind_needs_a_key_or_an_explicit_opt_out(monkeypatch):
     assert parse_config({"side_channel_host": "0.0.0.0", "allow_unauthenticated": True})
     monkeypatch.setenv(KEY_ENV, KEY.decode())
     assert parse_config({"side_channel_host": "0.0.0.0"}).shared_key == KEY
+
+
+@pytest.mark.parametrize("every_address", ["0.0.0.0", "::"])
+def test_a_prefill_bound_to_every_address_advertises_one_a_peer_can_dial(
+    monkeypatch, every_address
+):
+    """The side channel opened the first way an operator types it: the ticket a real vLLM
+    scheduler issues names this host's address (vLLM's own pick: VLLM_HOST_IP, else the
+    default route's), which answers. Before, it named 0.0.0.0, which a decode on another
+    host dials as itself: every handoff across hosts failed and recomputed."""
+    monkeypatch.setenv(KEY_ENV, KEY.decode())
+    sched = make_scheduler("kv_producer", BS, {"side_channel_host": every_address})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        _, outputs = step(sched)
+        params = params_of(outputs, "p1")
+        assert params is not None
+        host, port = params["remote_host"], params["remote_port"]
+        assert host.strip("[]") not in ("0.0.0.0", "::") and not is_loopback(host), host
+        reply = side_channel.call(host, port, HandshakeRequest(PROTOCOL_VERSION, "d"), KEY, 10)
+        assert isinstance(reply, HandshakeReply)
+    finally:
+        sched.connector.shutdown()
+    monkeypatch.setenv("VLLM_HOST_IP", "203.0.113.7")  # an operator's pick wins
+    assert parse_config({"side_channel_host": every_address}).advertise_host == "203.0.113.7"
 
 
 # --- replay-proof side channel ------------------------------------------------------------
