@@ -83,6 +83,22 @@ class NotHere(NoAnswer):
     store is per server), so another may; ``body`` is its 404, the answer if none does."""
 
 
+def held(stored: bool, leg: Callable[[str], Awaitable[T]]) -> Callable[[str], Awaitable[T]]:
+    """``leg``, where a ``stored`` response's 404 is NotHere: another backend may hold it."""
+    if not stored:
+        return leg
+
+    async def call(url: str) -> T:
+        try:
+            return await leg(url)
+        except LegError as exc:
+            if exc.status != 404 or isinstance(exc, NoAnswer):
+                raise
+            raise NotHere(404, f"{url} does not hold it", exc.body) from None
+
+    return call
+
+
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
     kind = kind or ERROR_TYPES.get(status, "BadRequestError")
@@ -322,10 +338,13 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             else:
                 to_decode = {**body, "kv_transfer_params": params} if params else body
+            stored = apis.answers_alone(body, api) == "previous_response_id"
             try:
                 response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing
+                    request, "decode", decode_url, to_decode, first, timing, stored
                 )
+            except NotHere:
+                raise  # no decode holds the earlier response: its 404 is the answer
             except NoAnswer as exc:
                 # No decode took it: a prefill answers it whole (its prefix cache holds the
                 # prompt by now), and the staged KV is released.
@@ -346,19 +365,24 @@ class Proxy:
         body: dict[str, Any],
         first: FirstToken | None,
         timing: dict[str, str],
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, bool]:
         """The client's answer from ``url`` or another backend of its kind (streamed as it
-        comes, or whole, with the ``timing`` header), and whether it was all sent."""
+        comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
+        the request continues a stored response, which one decode holds (the others 404)."""
         pool = self.router.decodes if leg == "decode" else self.router.prefills
         if body.get("stream"):
             return await self._failover(
                 pool,
                 url,
-                lambda u: self._stream(request, u + request.path, body, timing, first, leg),
+                held(
+                    stored,
+                    lambda u: self._stream(request, u + request.path, body, timing, first, leg),
+                ),
             )
         auth = credentials(request)
         answer = await self._failover(
-            pool, url, lambda u: self._whole(u, request.path, body, auth, leg)
+            pool, url, held(stored, lambda u: self._whole(u, request.path, body, auth, leg))
         )
         return web.json_response(first.joined(answer) if first else answer, headers=timing), True
 

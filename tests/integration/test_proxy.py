@@ -364,6 +364,8 @@ class Decode(Backend):
         return {"id": self.name, "object": "text_completion", "choices": [choice], "usage": usage}
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if body.get("previous_response_id") not in (None, *self.stored):
+            return web.json_response({"error": {"message": "not found"}}, status=404)
         if self.answer == "text":
             return web.Response(text="upstream exploded", content_type="text/plain")
         if not body.get("stream"):
@@ -821,10 +823,40 @@ async def test_a_response_continuing_a_stored_one_goes_to_the_decode_alone(
 ) -> None:
     """The prefill does not hold the earlier response, and would refuse the leg."""
     body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    decode.stored.add("resp_1")
     async with proxy([prefill.url], [decode.url]) as client:
         resp = await client.post("/v1/responses", json=body)
         assert await resp.json() == decode.answer_for(body)
     assert prefill.requests == [] and decode.requests == [("/v1/responses", body)]
+
+
+async def test_a_response_continuing_a_stored_one_finds_the_decode_that_holds_it(
+    prefill: Prefill,
+) -> None:
+    """Several decodes, one holding the earlier response (vLLM's store is per server): the
+    request reaches it, streamed or not, whichever decode routing picks first; an id that
+    no decode holds gets the decodes' 404. Before, it went to the decode routing picked,
+    and got that one's 404."""
+    other, holder = Decode("d1"), Decode("d2")
+    for backend in (other, holder):
+        await backend.start()
+    holder.stored.add("resp_1")
+    holder.go.set()
+    body = {"model": "m", "input": "and then?", "previous_response_id": "resp_1"}
+    try:
+        async with proxy([prefill.url], [other.url, holder.url], routing="pairs") as client:
+            for stream in (False, False, True, True):  # each decode picked first once
+                resp = await client.post("/v1/responses", json={**body, "stream": stream})
+                text = await resp.text()
+                assert resp.status == 200, text
+                assert ("d2 says hi" in text) if not stream else (text.encode() == b"".join(CHUNKS))
+            resp = await client.post("/v1/responses", json={**body, "previous_response_id": "x"})
+            assert resp.status == 404 and await resp.json() == {"error": {"message": "not found"}}
+        held = [b for _, b in holder.requests if b["previous_response_id"] == "resp_1"]
+        assert prefill.requests == [] and len(held) == 4
+    finally:
+        for backend in (other, holder):
+            await backend.stop()
 
 
 async def test_no_limit_of_the_proxy_s_own_cuts_a_long_answer_short(
