@@ -6,7 +6,6 @@ are answered with an ErrorReply where the envelope allows a reply, and dropped o
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 import threading
 import time
@@ -36,15 +35,10 @@ MAX_AGE_S = 30.0  # with a key, frames sent longer ago (or later) than this are 
 
 
 def endpoint(host: str, port: int | None = None) -> str:
-    """ZMQ's address of ``host`` (a name, IPv4, or IPv6 with or without brackets), which
-    needs an IPv6 literal bracketed (its sockets also need ``zmq.IPV6`` on)."""
+    """ZMQ's address of ``host`` (a name, IPv4, or IPv6 with or without brackets): libzmq
+    wants an IPv6 literal bracketed (and ``zmq.IPV6`` on). Only IPv6 literals hold colons."""
     host = host.strip("[]")
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass  # a DNS name
-    return f"tcp://{host}" + (f":{port}" if port else "")
+    return f"tcp://{f'[{host}]' if ':' in host else host}" + (f":{port}" if port else "")
 
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
