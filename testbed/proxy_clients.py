@@ -46,6 +46,8 @@ PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 LOADED = "vllm:qaic_kv_loaded_requests_total"
 SAVED = "vllm:qaic_kv_saved_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
+LOADED_TOKENS = "vllm:qaic_kv_loaded_tokens_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"  # tokens found in the engine's own cache
 # The tiny model has no chat template: the servers get one that sends the text as is.
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -372,6 +374,48 @@ def _api_answer(url: str, path: str, body: dict[str, Any]) -> Any:
     texts = [t for e in events if (t := _delta_text(e)) is not None]
     others = [_scrubbed(e) for e in events if _delta_text(e) is None]
     return {"text": "".join(texts), "events": others}
+
+
+def check_conversations_match_vllm(
+    proxy: Server, prefill: VllmServer, decode: VllmServer, turns: list[str], shared: str,
+    tails: list[str],
+) -> dict[str, Any]:  # fmt: skip
+    """A chat's turns (each prompt the last one's, its answer and the next message; streamed
+    and not in turn) and completions that share a prefix (a system prompt), as users send
+    them: each answer is vLLM's own (the prefill alone, salted), and the decode loads what
+    its prefix cache lacks and no more (each request once; its loaded tokens and its local
+    hits add up to the prompt). ``turns``' messages and ``shared``, long enough that the
+    decode's cache holds whole blocks of a later prompt."""
+    names = (LOADED, LOADED_TOKENS, PREFIX_HITS, LOAD_FAILURES)
+
+    def ask(path: str, body: dict[str, Any]) -> tuple[dict[str, Any], list[float]]:
+        before = [decode.metric(n, 0.0) for n in names]
+        got = _answer(proxy.url, path, body)
+        time.sleep(1.0)  # the last step's connector stats reach /metrics
+        moved = [decode.metric(n, 0.0) - b for n, b in zip(names, before, strict=True)]
+        want = _answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
+        assert got == want, f"{path}: the proxy's {got} != vLLM's {want}"
+        loaded, tokens, hits, failed = moved
+        prompt = got["usage"]["prompt_tokens"]
+        assert (loaded, tokens + hits, failed) == (1, prompt, 0), (path, moved, prompt)
+        return got, moved
+
+    usage = {"stream_options": {"include_usage": True}}
+    messages: list[dict[str, str]] = []
+    local_hits = 0.0
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        stream = {"stream": True, **usage} if i % 2 else {}
+        body = {"model": "model", "messages": messages, "max_tokens": ANSWER_TOKENS, **stream}
+        got, moved = ask("/v1/chat/completions", {**body, "temperature": 0.0})
+        choice = got["choices"][0] if not stream else got["choices"][0]["delta"]
+        messages.append({"role": "assistant", "content": choice.get("message", choice)["content"]})
+        local_hits += moved[2]
+    for tail in tails:
+        body = {"model": "model", "prompt": f"{shared} {tail}", "max_tokens": ANSWER_TOKENS}
+        local_hits += ask("/v1/completions", {**body, "temperature": 0.0})[1][2]
+    assert local_hits > 0, "no request found part of its prompt in the decode's cache"
+    return {"requests": len(turns) + len(tails), "local_hit_tokens": local_hits}
 
 
 def check_every_api_matches_vllm(

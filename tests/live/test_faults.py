@@ -829,6 +829,20 @@ class TestShm:
         check = proxy_clients.check_every_api_matches_vllm(c.proxy, c.prefill, c.decode, fresh)
         say("responses and messages", **check)
 
+    def test_l_a_conversation_and_a_shared_prefix_load_only_what_the_decode_lacks(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """Chat turns and a common system prompt: the decode's prefix cache holds part of
+        each later prompt, and the load fills in the rest."""
+        c = shm_cluster
+        c.ensure(c.prefill, c.decode, c.proxy)
+        turns = [p for p, _ in c.prompts(5, tokens=60)]
+        shared, tails = c.prompts(1, tokens=240)[0][0], [p for p, _ in c.prompts(3, tokens=40)]
+        check = proxy_clients.check_conversations_match_vllm(
+            c.proxy, c.prefill, c.decode, turns, shared, tails
+        )
+        say("a conversation and a shared prefix", **check)
+
     def test_m_a_prompt_list_behind_a_router(self, shm_cluster: Cluster) -> None:
         """A router sends a client's prompt list as it came: the prefill leg with
         NixlConnector's params, the decode leg (policy ``fail``) with what the prefill
