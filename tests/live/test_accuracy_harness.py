@@ -149,12 +149,16 @@ MIXED_BLOCKS = {
     "NUM_PREFILL_INSTANCES": "2", "NUM_DECODE_INSTANCES": "2", "PREFILL_BLOCK_SIZE": "128 32",
     "DECODE_BLOCK_SIZE": "32 128", "DTYPE": "float32", "NUM_PROMPTS": "16",
 }  # fmt: skip
+ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_BLOCK_SIZE": "128",
+            "DECODE_BLOCK_SIZE": "32"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("arch", "tokenizer", "env"),
     [
-        ("llama", "byte_level", {}),  # grouped-query attention
+        # Grouped-query attention, one pair (128 -> 32) and the idle gaps: CI time; the
+        # other two run every pair.
+        ("llama", "byte_level", ONE_PAIR),
         # q/k-norm; over NIXL, each decode converts from the prefill's own format.
         # Scheduled asynchronously, as on a GPU.
         ("qwen3", "byte_level", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode", **ASYNC}),
@@ -167,11 +171,12 @@ def test_random_models_with_their_own_tokenizers_agree_token_for_token(
     tmp_path_factory, arch, tokenizer, env
 ):
     model = random_model(tmp_path_factory, arch, tokenizer)
-    rc, out = harness_leaves_nothing(MODEL=str(model), **MIXED_BLOCKS, **env)
+    rc, out = harness_leaves_nothing(MODEL=str(model), **{**MIXED_BLOCKS, **env})
     m = last_line(out)
     assert rc == 0, "harness gates failed"
     assert float(m.group(3)) == 100.0 and m.group(4) == "16"  # token ids and text
-    assert "decode 1 loaded requests by prefill engine" in out  # each decode, both prefills
+    if env.get("NUM_DECODE_INSTANCES") != "1":  # each decode, both prefills
+        assert "decode 1 loaded requests by prefill engine" in out
     if arch == "gemma3":
         cfg = json.loads((model / "config.json").read_text())
         # Full-length KV of every layer, float32; the sliding-window layers (half of them)
