@@ -590,7 +590,7 @@ def main(argv: list[str] | None = None) -> None:
         help="prefill: where the decode can continue from it, the prefill's token is "
         "the client's first; decode: the decode's is, as in vLLM's toy proxy")  # fmt: skip
     add("--host", default="127.0.0.1",
-        help="as vLLM's --host: '::' or '0.0.0.0' listen on every address")  # fmt: skip
+        help="as vLLM's --host: '::' takes IPv6 and IPv4 clients")  # fmt: skip
     add("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     if args.decode_kv and len(args.decode_kv) != len(args.decode):
