@@ -302,8 +302,9 @@ class Proxy:
         first: FirstToken | None = None
         timing: dict[str, str] = {}
         done = False
+        alone = apis.answers_alone(body, api)
         try:
-            if apis.answers_alone(body, api) is None:
+            if alone is None:
                 started = time.monotonic()
                 to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
                 if first_from_prefill:
@@ -338,7 +339,7 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             else:
                 to_decode = {**body, "kv_transfer_params": params} if params else body
-            stored = apis.answers_alone(body, api) == "previous_response_id"
+            stored = alone == "previous_response_id"
             try:
                 response, done = await self._answer(
                     request, "decode", decode_url, to_decode, first, timing, stored
