@@ -454,7 +454,9 @@ class Proxy:
         pool = self.router.decodes
         try:
             return await self._failover(
-                pool, pool.pick(), lambda url: self._relay(request, url, data, headers, stored)
+                pool,
+                pool.pick(),
+                held(stored, lambda u: self._relay(request, u, data, headers, stored)),
             )
         except LegError as exc:
             return exc.response()
@@ -462,8 +464,8 @@ class Proxy:
     async def _relay(
         self, request: web.Request, url: str, data: bytes, headers: dict[str, str], stored: bool
     ) -> web.StreamResponse:
-        """``url``'s answer to the client's request, streamed back. A 404 for a ``stored``
-        response is NotHere: another decode may hold it."""
+        """``url``'s answer to the client's request, streamed back; a 404 for a ``stored``
+        response is raised (`held`: another decode may hold it)."""
         assert self._session is not None
         target = url + request.path_qs
         try:
@@ -481,7 +483,7 @@ class Proxy:
                 missing = None
                 with contextlib.suppress(ValueError, aiohttp.ClientError):
                     missing = await resp.json(content_type=None)
-                raise NotHere(404, f"decode {url} does not hold it", missing)
+                raise LegError(404, f"decode {url}: HTTP 404", missing)
             kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
             out = web.StreamResponse(status=resp.status, headers=kept)
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
