@@ -902,43 +902,35 @@ class TestShm:
     def test_n_a_decode_serving_other_weights_is_refused_by_its_weights_not_its_name(
         self, shm_cluster: Cluster
     ) -> None:
-        """Two decodes behind a router, beside the cluster's prefill (the shipped model):
-        one serves a copy with other weights in a folder of the same name (a rolling
-        upgrade), one the same weights from a folder of another name (a hub id here, a
-        local copy there). The first refuses the prefill's KV and recomputes; the second
-        loads it. Before the handshake compared weights, the first loaded it and all 8
-        answers were wrong (HTTP 200), and the second refused it."""
+        """A decode behind a router, beside the cluster's prefill (the shipped model),
+        serving a copy with other weights in a folder of the same name (a rolling upgrade):
+        it refuses the prefill's KV and recomputes. Before the handshake compared weights,
+        it loaded it and all answers were wrong (HTTP 200). The other half, the same weights
+        from a folder of another name (a hub id here, a local copy there), loading, is
+        ``test_p``'s decode (before, it was refused)."""
         c = shm_cluster
         c.ensure(c.prefill)
         upgraded = model_copy(c.run.dir / "v2" / MODEL_DIR.name, other_kv=True)
-        renamed = model_copy(c.run.dir / "local-copy-of-the-model")
-
-        def decode(name: str, model: Path) -> VllmServer:
-            kv = kv_config("kv_consumer", c.run.engine_id(name), free_port(), "shm")
-            return c.run.vllm(name, "1", kv, model=model)
-
-        decodes = {"upgraded": decode("upgraded", upgraded), "renamed": decode("renamed", renamed)}
-        wait_all_ready(*decodes.values())
+        kv = kv_config("kv_consumer", c.run.engine_id("upgraded"), free_port(), "shm")
+        d = c.run.vllm("upgraded", "1", kv, model=upgraded)
+        wait_all_ready(d)
         try:
-            for name, d in decodes.items():
-                pairs = c.prompts(4)
-                for prompt, answer in pairs:
-                    prefill_leg = completion_body(prompt, 1, ROUTER_PARAMS)
-                    r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg)
-                    ticket = r.json()["kv_transfer_params"]
-                    decode_leg = completion_body(prompt, params=ticket)
-                    r = requests.post(f"{d.url}/v1/completions", json=decode_leg, timeout=60)
-                    assert r.status_code == 200 and is_correct(r.json(), answer), r.text[:300]
-                time.sleep(1.0)  # the last step's connector stats reach /metrics
-                loaded, failed = d.metric(LOADED, 0.0), d.metric(LOAD_FAILURES, 0.0)
-                say(f"a decode of the model {name}", loaded=loaded, load_failures=failed)
-                assert (loaded, failed) == ((0, 4) if name == "upgraded" else (4, 0))
+            for prompt, answer in c.prompts(4):
+                prefill_leg = completion_body(prompt, 1, ROUTER_PARAMS)
+                r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg)
+                ticket = r.json()["kv_transfer_params"]
+                decode_leg = completion_body(prompt, params=ticket)
+                r = requests.post(f"{d.url}/v1/completions", json=decode_leg, timeout=60)
+                assert r.status_code == 200 and is_correct(r.json(), answer), r.text[:300]
+            time.sleep(1.0)  # the last step's connector stats reach /metrics
+            loaded, failed = d.metric(LOADED, 0.0), d.metric(LOAD_FAILURES, 0.0)
+            say("a decode of the model upgraded", loaded=loaded, load_failures=failed)
+            assert (loaded, failed) == (0, 4)
             refusal = "computes KV with other weights: ours='tiny-copy'"
-            assert refusal in decodes["upgraded"].log_path.read_text(errors="replace")
+            assert refusal in d.log_path.read_text(errors="replace")
         finally:
-            for d in decodes.values():
-                d.kill(signal.SIGTERM)
-                d.wait_gone(15)
+            d.kill(signal.SIGTERM)
+            d.wait_gone(15)
 
     def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
         self, shm_cluster: Cluster
@@ -983,33 +975,53 @@ class TestShm:
                 server.kill(signal.SIGTERM)
                 server.wait_gone(15)
 
-    def test_p_a_decode_whose_lora_adapter_differs_recomputes(self, shm_cluster: Cluster) -> None:
-        """A prefill and a decode serving LoRA adapters: under the name ``same`` both one
-        adapter; under ``other`` the decode another (an adapter upgraded on one pool
-        first). Legs sent as a router sends them: the base model's and ``same``'s prompts
-        load and answer as vLLM does; ``other``'s are refused (the ticket carries the
-        adapter's fingerprint) and answer as the decode alone. Before, the decode loaded
-        all of ``other``'s and answered none of them as either side would (HTTP 200)."""
+    def test_p_engines_served_as_operators_serve_them_lora_adapters_and_an_api_key(
+        self, shm_cluster: Cluster
+    ) -> None:
+        """A prefill and a decode served with ``--api-key`` (as most deployments run them)
+        and LoRA adapters: under the name ``same`` both one adapter; under ``other`` the
+        decode another (an adapter upgraded on one pool first). One pair for both, to keep
+        CI short. The decode serves the shipped model's weights from a folder of another
+        name (a local copy of a hub model): its KV is the prefill's, so it loads it.
+
+        LoRA, legs sent as a router sends them: the base model's and ``same``'s prompts load
+        and answer as vLLM does; ``other``'s are refused (the ticket carries the adapter's
+        fingerprint) and answer as the decode alone. Before, the decode loaded all of
+        ``other``'s and answered none of them as either side would (HTTP 200).
+
+        The key, through the proxy: the client's ``Authorization`` reaches both legs and
+        the decode's ``/v1/models``, so keyed requests are answered right (streamed or not)
+        and handed off, and a request without the key gets vLLM's own 401. Before, the
+        proxy sent no credentials, and every request got 401."""
         c = shm_cluster
         first, second = (lora_adapter(c.run.dir / f"adapter-{i}", seed=i) for i in (1, 2))
+        key = ["--api-key", f"key-{c.prompt_seed}"]
+        auth = {"Authorization": f"Bearer key-{c.prompt_seed}"}
 
-        def serve(name: str, core: str, role: str, other: Path) -> VllmServer:
+        def serve(name: str, core: str, role: str, other: Path, model: Path) -> VllmServer:
             kv = kv_config(role, c.run.engine_id(name), free_port(), "shm")
             lora = ["--enable-lora", "--max-lora-rank", "8", "--lora-modules"]
-            return c.run.vllm(name, core, kv, extra_args=[*lora, f"same={first}", f"other={other}"])
+            extra_args = [*key, *lora, f"same={first}", f"other={other}"]
+            return c.run.vllm(name, core, kv, extra_args=extra_args, model=model)
 
-        prefill = serve("lora-prefill", "0", "kv_producer", first)
-        decode = serve("lora-decode", "1", "kv_consumer", second)
-        wait_all_ready(prefill, decode)
+        prefill = serve("op-prefill", "0", "kv_producer", first, MODEL_DIR)
+        renamed = model_copy(c.run.dir / "local-copy-of-the-model")
+        decode = serve("op-decode", "1", "kv_consumer", second, renamed)
+        proxy = c.run.proxy([prefill.url], [decode.url], [decode.side_channel])
+        wait_all_ready(prefill, decode, proxy)
 
         def text(server: VllmServer, body: dict[str, Any]) -> Any:
-            r = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            r = requests.post(f"{server.url}/v1/completions", json=body, headers=auth, timeout=60)
             assert r.status_code == 200, r.text[:300]
             return r.json()
 
+        def loads() -> tuple[float, float]:
+            time.sleep(1.0)  # the last step's connector stats reach /metrics
+            return decode.metric(LOADED, 0.0), decode.metric(LOAD_FAILURES, 0.0)
+
         try:
             for model, shared in (("model", True), ("same", True), ("other", False)):
-                loaded0, failed0 = decode.metric(LOADED, 0.0), decode.metric(LOAD_FAILURES, 0.0)
+                loaded0, failed0 = loads()
                 for prompt, _ in c.prompts(3):
                     body = {**completion_body(prompt), "model": model}
                     prefill_leg = {**body, "max_tokens": 1, "kv_transfer_params": ROUTER_PARAMS}
@@ -1018,51 +1030,26 @@ class TestShm:
                     salted = {**body, "cache_salt": f"alone-{time.monotonic_ns()}"}
                     want = text(prefill if shared else decode, salted)
                     assert got["choices"] == want["choices"], (model, got, want)
-                time.sleep(1.0)  # the last step's connector stats reach /metrics
-                loaded = decode.metric(LOADED, 0.0) - loaded0
-                failed = decode.metric(LOAD_FAILURES, 0.0) - failed0
+                loaded1, failed1 = loads()
+                loaded, failed = loaded1 - loaded0, failed1 - failed0
                 say(f"LoRA adapter {model!r}", loaded=loaded, load_failures=failed)
                 assert (loaded, failed) == ((3, 0) if shared else (0, 3))
             assert "other weights, other KV" in decode.log_path.read_text(errors="replace")
-        finally:
-            for server in (prefill, decode):
-                server.kill(signal.SIGTERM)
-                server.wait_gone(15)
 
-    def test_q_the_proxy_before_engines_that_check_an_api_key(self, shm_cluster: Cluster) -> None:
-        """Engines served with ``--api-key`` (as most deployments run them) behind the proxy:
-        the client's ``Authorization`` reaches both legs and the decode's ``/v1/models``, so
-        keyed requests are answered right (streamed or not) and handed off, and a request
-        without the key gets vLLM's own 401. Before, the proxy sent no credentials, and
-        every request got 401."""
-        c = shm_cluster
-        key = ["--api-key", f"key-{c.prompt_seed}"]
-        auth = {"Authorization": f"Bearer key-{c.prompt_seed}"}
-
-        def serve(name: str, core: str, role: str) -> VllmServer:
-            kv = kv_config(role, c.run.engine_id(name), free_port(), "shm")
-            return c.run.vllm(name, core, kv, extra_args=key)
-
-        prefill = serve("key-prefill", "0", "kv_producer")
-        decode = serve("key-decode", "1", "kv_consumer")
-        proxy = c.run.proxy([prefill.url], [decode.url], [decode.side_channel])
-        wait_all_ready(prefill, decode, proxy)
-        try:
-            pairs = c.prompts(4)
-            for i, (prompt, answer) in enumerate(pairs):
+            loaded0, _ = loads()
+            for i, (prompt, answer) in enumerate(c.prompts(4)):
                 body = {**completion_body(prompt), "stream": i % 2 == 1}
                 r = requests.post(f"{proxy.url}/v1/completions", json=body, headers=auth,
                                   timeout=CLIENT_TIMEOUT_S)  # fmt: skip
                 assert r.status_code == 200, r.text[:300]
-                text = r.json()["choices"][0]["text"] if i % 2 == 0 else "".join(
+                got_text = r.json()["choices"][0]["text"] if i % 2 == 0 else "".join(
                     json.loads(line[6:])["choices"][0]["text"]
                     for line in r.text.splitlines() if line.startswith("data: {")
                 )  # fmt: skip
-                assert is_correct({"choices": [{"text": text}]}, answer), text
+                assert is_correct({"choices": [{"text": got_text}]}, answer), got_text
             models = requests.get(f"{proxy.url}/v1/models", headers=auth, timeout=10)
             bare = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=60)
-            time.sleep(1.0)  # the last step's connector stats reach /metrics
-            loaded = decode.metric(LOADED, 0.0)
+            loaded = loads()[0] - loaded0
             say("engines with --api-key", loaded=loaded, models=models.status_code,
                 without_key=bare.status_code)  # fmt: skip
             assert (loaded, models.status_code, bare.status_code) == (4, 200, 401)
@@ -1195,7 +1182,7 @@ class TestNixl:
     def test_i_a_long_prompt_of_a_model_with_llama_3_8b_s_kv_is_handed_off(
         self, nixl_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
     ) -> None:
-        """A model whose KV per token is Llama-3-8B's (128 KiB), a 3,000-token prompt, over
+        """A model whose KV per token is Llama-3-8B's (128 KiB), a 2,200-token prompt, over
         NIXL with the default configuration: staged, loaded, and answered as the decode
         alone answers it. Before, the staging pool was a fixed 256 MiB (2,048 such tokens):
         every longer prompt got HTTP 503 through the proxy."""
@@ -1216,7 +1203,7 @@ class TestNixl:
         try:
             text = " ".join(p for p, _ in c.prompts(100))
             ids = token_ids(decode.url, text)
-            body = {"model": "model", "prompt": (ids * (3000 // len(ids) + 1))[:3000],
+            body = {"model": "model", "prompt": (ids * (2200 // len(ids) + 1))[:2200],
                     "max_tokens": 8, "temperature": 0.0}  # fmt: skip
             r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
             assert r.status_code == 200, r.text[:300]
