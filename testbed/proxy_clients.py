@@ -259,9 +259,10 @@ def check_answers_match_vllm(
     salted away from the handoffs' cached blocks), field by field (a stream's events summed):
     completions and chat, streamed (with usage or not) and not, an answer that ends at the
     prefill's token, logprobs, echo, stop strings, seeded sampling, n > 1 choices, token ids,
-    a list of prompts (each handed off alone), and a prompt that fills the context but for one token
-    (vLLM answers one token; the decode would refuse the prompt and that token). Requests
-    vLLM refuses (a token limit of 0, -1 or not a number) get vLLM's own 400 through it.
+    a list of prompts (each handed off alone; streamed, into one stream), and a prompt that
+    fills the context but for one token (vLLM answers one token; the decode would refuse the
+    prompt and that token). Requests vLLM refuses (a token limit of 0, -1 or not a number)
+    get vLLM's own 400 through it.
     ``fresh(n)``: n prompts no earlier request used, so every handoff loads its whole prompt
     (no local prefix hit on the decode).
 
@@ -293,7 +294,10 @@ def check_answers_match_vllm(
     for o in ({"max_tokens": None}, {"max_tokens": 5, "stream": True, **usage}):
         full = [rng.randrange(5, 60) for _ in range(TINY.max_model_len - 1)]
         cases.append(("/v1/completions", {"prompt": full, **o}, prefill_alone))
-    lists: list[dict[str, Any]] = [{}, {"return_token_ids": True}, {**seeded, "n": 2}]
+    lists: list[dict[str, Any]] = [
+        {}, {"return_token_ids": True}, {**seeded, "n": 2}, {"stream": True, **usage},
+        {**seeded, "n": 2, "stream": True},
+    ]  # fmt: skip
     chats: list[dict[str, Any]] = [
         {},
         {"stream": True, **usage},

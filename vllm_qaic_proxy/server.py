@@ -36,6 +36,7 @@ from vllm_qaic_proxy.routing import LeastOutstanding, Router
 
 logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
 T = TypeVar("T")
+Sink = web.StreamResponse | batches.Part  # where a stream's events go
 
 ERROR_TYPES = {
     404: "NotFoundError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout",
@@ -225,17 +226,18 @@ class Proxy:
         headers: dict[str, str],
         first: FirstToken | None,
         leg: str = "decode",
+        sink: Sink | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The decode's events through as they come (after ``first``'s, once the decode
-        has taken the request); False when the client went away. Then the decode's
-        connection is closed, which aborts the request there."""
+        has taken the request), to the client or into ``sink``; False when the client went
+        away. Then the decode's connection is closed, which aborts the request there."""
         timeout = leg_timeout(sock_read=self.decode_timeout_s)
         resp = await self._open(leg, url, body, timeout, credentials(request))
         if resp.status != 200 or "json" in resp.content_type:
             await self._json(leg, url, resp)  # raises: a stream answers 200 with events
             raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
         headers["Content-Type"] = resp.headers.get("Content-Type", "")
-        out = web.StreamResponse(headers=headers)
+        out: Sink = sink or web.StreamResponse(headers=headers)
         try:
             await out.prepare(request)
             if first is not None:  # any usage after it (asked, or forced) counts it as answer
@@ -248,17 +250,17 @@ class Proxy:
             await out.write_eof()
         except ConnectionResetError:
             logger.info("client went away mid-stream; aborting the decode request")
-            return out, False
+            return response_of(out), False
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             # Headers are out: the client learns of the failure as a last event.
             logger.warning("%s leg %s broke off a stream: %s", leg, url, exc)
             err = error_body(502, f"{leg} leg {url} broke off the stream: {exc}")
             with contextlib.suppress(ConnectionResetError):
                 await out.write(f"data: {json.dumps(err)}\n\n".encode())
-            return out, False
+            return response_of(out), False
         finally:
             resp.close()  # before the end of the stream: the decode aborts the request
-        return out, True
+        return response_of(out), True
 
     # --- endpoints ------------------------------------------------------------------------
 
@@ -273,11 +275,7 @@ class Proxy:
         if several is None:
             return await self._handoff(request, body, api)
         if body.get("stream"):
-            problem = (
-                "a list of prompts with stream=true is not supported through the "
-                "disaggregating proxy: stream one prompt per request"
-            )
-            return web.json_response(error_body(400, problem), status=400)
+            return await self._streamed_list(request, body, api, several)
         answers = await asyncio.gather(
             *(self._handoff(request, {**body, "prompt": p}, api) for p in several)
         )
@@ -286,11 +284,30 @@ class Proxy:
         timing = {"Server-Timing": max(timings, key=prefill_ms)} if timings else None
         return web.json_response(answer, status=status, headers=timing)
 
+    async def _streamed_list(
+        self, request: web.Request, body: dict[str, Any], api: Api, several: list[Any]
+    ) -> web.StreamResponse:
+        """Each prompt's handoff streamed into one stream, as vLLM streams a list; when
+        every prompt failed before the stream opened, the first failure as JSON."""
+        n = body.get("n")
+        merged = batches.StreamedList(request, n if isinstance(n, int) else 1)
+        answers = await asyncio.gather(
+            *(
+                self._handoff(request, {**body, "prompt": p}, api, merged.part(i))
+                for i, p in enumerate(several)
+            )
+        )
+        failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
+        if not merged.out.prepared:
+            return web.json_response(failures[0][1], status=failures[0][0])
+        return await merged.finish(failures)
+
     async def _handoff(
-        self, request: web.Request, body: dict[str, Any], api: Api
+        self, request: web.Request, body: dict[str, Any], api: Api, sink: Sink | None = None
     ) -> web.StreamResponse:
         """One prompt through a prefill leg and a decode leg; the decode leg alone where a
-        prefill leg would be wasted or refused (`apis.answers_alone`)."""
+        prefill leg would be wasted or refused (`apis.answers_alone`). A stream goes to the
+        client, or into ``sink`` (a part of a streamed list)."""
         prefill_url, decode_url = self.router.route()
         auth = credentials(request)
         first_from_prefill = (
@@ -334,7 +351,7 @@ class Proxy:
                     context = await self._context(decode_url, auth)
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
-                    return await self._prefill_only(request, body, first, timing)
+                    return await self._prefill_only(request, body, first, timing, sink)
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
             else:
@@ -342,7 +359,7 @@ class Proxy:
             stored = alone == "previous_response_id"
             try:
                 response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing, stored
+                    request, "decode", decode_url, to_decode, first, timing, stored, sink
                 )
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
@@ -350,7 +367,9 @@ class Proxy:
                 # No decode took it: a prefill answers it whole (its prefix cache holds the
                 # prompt by now), and the staged KV is released.
                 logger.warning("%s; a prefill answers the whole request", exc)
-                response, _ = await self._answer(request, "prefill", prefill_url, body, None, {})
+                response, _ = await self._answer(
+                    request, "prefill", prefill_url, body, None, {}, sink=sink
+                )
             return response
         except LegError as exc:
             return exc.response()
@@ -367,6 +386,7 @@ class Proxy:
         first: FirstToken | None,
         timing: dict[str, str],
         stored: bool = False,
+        sink: Sink | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The client's answer from ``url`` or another backend of its kind (streamed as it
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
@@ -378,7 +398,9 @@ class Proxy:
                 url,
                 held(
                     stored,
-                    lambda u: self._stream(request, u + request.path, body, timing, first, leg),
+                    lambda u: self._stream(
+                        request, u + request.path, body, timing, first, leg, sink
+                    ),
                 ),
             )
         auth = credentials(request)
@@ -417,17 +439,24 @@ class Proxy:
         return await self._json(leg, url, resp)
 
     async def _prefill_only(
-        self, request: web.Request, body: dict[str, Any], first: FirstToken, timing: dict[str, str]
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        first: FirstToken,
+        timing: dict[str, str],
+        sink: Sink | None = None,
     ) -> web.StreamResponse:
         """The answer when it ends at the prefill's token (its staging is released)."""
         if not body.get("stream"):
             return web.json_response(first.answer, headers=timing)
-        out = web.StreamResponse(headers={**timing, "Content-Type": "text/event-stream"})
+        out: Sink = sink or web.StreamResponse(
+            headers={**timing, "Content-Type": "text/event-stream"}
+        )
         with contextlib.suppress(ConnectionResetError):
             await out.prepare(request)
             await out.write(first.events(body.get("stream_options")))
             await out.write_eof()
-        return out
+        return response_of(out)
 
     async def models(self, request: web.Request) -> web.Response:
         assert self._session is not None
@@ -546,6 +575,11 @@ def credentials(request: web.Request) -> dict[str, str]:
     (``vllm serve --api-key``), and its request id, which vLLM takes as the request's own (so
     both legs' logs name the client's id, as behind llm-d's sidecar)."""
     return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+def response_of(out: Sink) -> web.StreamResponse:
+    """The client's response that ``out`` writes to."""
+    return out.response if isinstance(out, batches.Part) else out
 
 
 def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:

@@ -697,9 +697,8 @@ async def test_a_failed_handoff_goes_to_the_decode_whose_policy_decides(
     [
         (b'["hi"]', "JSON object"),
         (b"hi", "JSON object"),
-        (b'{"prompt": ["a", "b"], "stream": true}', "a list of prompts with stream=true"),
     ],
-    ids=["array", "not-json", "streamed-list"],
+    ids=["array", "not-json"],
 )
 async def test_bad_requests_are_400_before_any_leg(
     prefill: Prefill, decode: Decode, data: bytes, names: str
@@ -937,6 +936,44 @@ async def test_the_decode_continues_from_the_prefills_token(
     assert answer["choices"][0]["text"] == "x" + "decode says hi"
     # The decode counted the first token as prompt; the client counts it as answer.
     assert answer["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+async def test_a_streamed_list_of_prompts_is_one_stream_as_vllm_streams_it(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """Each prompt handed off alone, their events in one stream: prompt p's choices at
+    p * n + i, one id, the usage summed into one event at the end, one [DONE]. Before, the
+    proxy refused such a request (HTTP 400) that vLLM serves."""
+    decode.answer, decode.go = "usage", asyncio.Event()
+    decode.go.set()
+    body = {"prompt": ["a", "b", "c"], "stream": True, "stream_options": {"include_usage": True}}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=body)
+        assert resp.status == 200 and resp.content_type == "text/event-stream"
+        received = await resp.read()
+    events = [e[6:] for e in received.split(b"\n\n") if e.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]" and events.count(b"[DONE]") == 1
+    payloads = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    for p in payloads[:-1]:
+        [choice] = p["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {0: "Hello!", 1: "Hello!", 2: "Hello!"}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"] == {
+        "prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21}  # fmt: skip
+    assert len({p.get("id") for p in payloads}) == 1
+    assert sorted(b["prompt"] for _, b in decode.requests) == ["a", "b", "c"]
+    assert len(prefill.requests) == 3
+
+
+async def test_a_streamed_list_whose_prompts_all_fail_is_their_error(
+    prefill: Prefill, decode: Decode
+) -> None:
+    prefill.answer = "reject"
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True})
+        assert await resp.json() == Prefill.REJECTION and resp.status == 400
+    assert decode.requests == []
 
 
 async def test_a_stream_starts_with_the_prefills_token_once_the_decode_took_the_request(
