@@ -1182,7 +1182,7 @@ class TestNixl:
     def test_i_a_long_prompt_of_a_model_with_llama_3_8b_s_kv_is_handed_off(
         self, nixl_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
     ) -> None:
-        """A model whose KV per token is Llama-3-8B's (128 KiB), a 2,200-token prompt, over
+        """A model whose KV per token is Llama-3-8B's (128 KiB), a 3,000-token prompt, over
         NIXL with the default configuration: staged, loaded, and answered as the decode
         alone answers it. Before, the staging pool was a fixed 256 MiB (2,048 such tokens):
         every longer prompt got HTTP 503 through the proxy."""
@@ -1203,7 +1203,7 @@ class TestNixl:
         try:
             text = " ".join(p for p, _ in c.prompts(100))
             ids = token_ids(decode.url, text)
-            body = {"model": "model", "prompt": (ids * (2200 // len(ids) + 1))[:2200],
+            body = {"model": "model", "prompt": (ids * (3000 // len(ids) + 1))[:3000],
                     "max_tokens": 8, "temperature": 0.0}  # fmt: skip
             r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
             assert r.status_code == 200, r.text[:300]
