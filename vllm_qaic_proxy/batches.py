@@ -11,6 +11,7 @@ Streamed, the prompts' events go into one stream as they come (`StreamedList`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -42,13 +43,19 @@ def merged(answers: list[tuple[int, dict[str, Any]]]) -> tuple[int, dict[str, An
     choices = [{**choice, "index": i} for i, choice in enumerate(ordered)]
     first = answers[0][1]
     usage = first.get("usage")
-    if isinstance(usage, dict):  # the counts summed, the rest (details) as vLLM gave them
-        usage = dict(usage)
-        for name in USAGE_COUNTS:
-            counts = [(a.get("usage") or {}).get(name) for _, a in answers]
-            if all(isinstance(n, int) for n in counts):
-                usage[name] = sum(counts)
+    if isinstance(usage, dict):
+        usage = summed([a.get("usage") or {} for _, a in answers])
     return 200, {**first, "choices": choices, "usage": usage}
+
+
+def summed(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The prompts' usage as one: the counts summed, the rest (details) as the first's."""
+    usage = dict(usages[0])
+    for name in USAGE_COUNTS:
+        counts = [u.get(name) for u in usages]
+        if all(isinstance(n, int) for n in counts):
+            usage[name] = sum(counts)
+    return usage
 
 
 class StreamedList:
@@ -91,18 +98,15 @@ class StreamedList:
     async def finish(self, failures: list[tuple[int, dict[str, Any]]]) -> web.StreamResponse:
         """The end of the list's stream: each failed prompt's error as an event (vLLM ends a
         stream that failed so), the summed usage where asked, ``[DONE]``."""
-        for _, error in failures:
-            await self.out.write(f"data: {json.dumps(error)}\n\n".encode())
-        if self.usages:
-            usage = dict(self.usages[0])
-            for name in USAGE_COUNTS:
-                counts = [u.get(name) for u in self.usages]
-                if all(isinstance(c, int) for c in counts):
-                    usage[name] = sum(counts)
-            end = {**self._head, "choices": [], "usage": usage}
-            await self.out.write(f"data: {json.dumps(end)}\n\n".encode())
-        await self.out.write(b"data: [DONE]\n\n")
-        await self.out.write_eof()
+        with contextlib.suppress(ConnectionResetError):  # the client went away: nothing to end
+            await self.open()
+            for _, error in failures:
+                await self.out.write(f"data: {json.dumps(error)}\n\n".encode())
+            if self.usages:
+                end = {**self._head, "choices": [], "usage": summed(self.usages)}
+                await self.out.write(f"data: {json.dumps(end)}\n\n".encode())
+            await self.out.write(b"data: [DONE]\n\n")
+            await self.out.write_eof()
         return self.out
 
 

@@ -298,7 +298,7 @@ class Proxy:
             )
         )
         failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
-        if not merged.out.prepared:
+        if failures and not merged.out.prepared:
             return web.json_response(failures[0][1], status=failures[0][0])
         return await merged.finish(failures)
 
