@@ -134,7 +134,7 @@ next_port; X_PORT=$NEXT_PORT
 ROUTER=${ROUTER:-proxy}
 case "$ROUTER" in proxy|vllm-router) ;; *) echo "[harness] ROUTER=$ROUTER: proxy or vllm-router"; exit 2;; esac
 if [ "$ROUTER" = vllm-router ]; then STAGE_AT=${STAGE_AT:-decode}; else STAGE_AT=${STAGE_AT:-prefill}; fi
-export VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONUNBUFFERED=1
 
 if [ "$MODEL" = "$ROOT/models/tiny-copy" ]; then TASK=copy; else TASK=text; fi

@@ -152,8 +152,9 @@ def prefill_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
         acks += [(a.request_ids[0], a.reader_rank, a.reader_tp) for a in meta.acks] if meta else []
         try:
             inbox.get(timeout=0.05)
-            # A notification may trail the read it rides on: keep listening a moment.
-            deadline = min(deadline, time.monotonic() + 1.0)
+            # A NIXL notification may trail the read it rides on: keep listening a moment.
+            linger = 1.0 if args["extra"]["transport"] == "nixl" else 0.0
+            deadline = min(deadline, time.monotonic() + linger)
         except queue.Empty:
             pass
     outbox.put({"acks": acks})
@@ -199,9 +200,10 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
 
 
 # A rank is a process of its own, as in vLLM, but forked from a server that has imported
-# the worker once: a spawned one spends ~14 s of CPU importing vLLM and torch here.
+# the worker once: a spawned one spends ~14 s of CPU importing vLLM and torch here. The
+# registration imports vLLM's model utils lazily (0.6 s a rank): preloaded too.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["testbed.rank_worker"])
+CTX.set_forkserver_preload(["testbed.rank_worker", "vllm.model_executor.models.utils"])
 
 
 def start_ranks(target, tp: int, common: dict) -> tuple[list, list]:

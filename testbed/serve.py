@@ -34,8 +34,12 @@ from testbed.model import MODEL_DIR, PY, ROOT, TINY
 # CPU per start): shared by every server, as ~/.cache/vllm/modelinfos is in a normal
 # install. Files are keyed by a hash of the model's source, and written atomically.
 MODELINFOS = ROOT / ".cache" / "vllm-modelinfos"
+# The KV cache of every server: vLLM on CPU writes every page of it at start-up, which took
+# 7-9 s for 1 GiB here when two engines started at once (0.5 s for this). Room for 512k
+# tokens of the shipped model, 16k of the random float32 ones. A case with more KV passes
+# its own --kv-cache-memory-bytes after this (the last one counts).
+KV_CACHE_BYTES = 256 << 20
 ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
@@ -73,6 +77,7 @@ def vllm_argv(
         "--model", str(model), "--served-model-name", "model",
         "--port", str(port), "--host", "127.0.0.1",
         "--max-model-len", str(max_model_len), "--block-size", str(block_size), "--seed", "0",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
     ]  # fmt: skip
     if eager:
         argv.append("--enforce-eager")
@@ -102,6 +107,7 @@ def vllm_env(
     folders under ``run_dir`` (created), sharing `MODELINFOS`."""
     env = {**(os.environ if base is None else base), **ENV, "VLLM_CPU_OMP_THREADS_BIND": core}
     env.update(extra or {})
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
     for var, sub in OWN_DIRS.items():
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(run_dir / sub)

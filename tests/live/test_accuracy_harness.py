@@ -156,12 +156,13 @@ ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_
 @pytest.mark.parametrize(
     ("arch", "tokenizer", "env"),
     [
-        # Grouped-query attention, one pair (128 -> 32) with the idle gaps, behind vLLM's
-        # own Rust P/D router (`vllm-router`, test extras) instead of the proxy: it sends
-        # the prefill `max_tokens: 1`, copies its `kv_transfer_params` whole into the decode
-        # leg, names no decode and takes no first token from the prefill, so the prefill
-        # stages in its own layout and the decode re-blocks and computes its first token.
-        ("llama", "byte_level", {**ONE_PAIR, "ROUTER": "vllm-router"}),
+        # Grouped-query attention, one pair (128 -> 32) over NIXL with the idle gaps, behind
+        # vLLM's own Rust P/D router (`vllm-router`, test extras) instead of the proxy: it
+        # sends the prefill `max_tokens: 1`, copies its `kv_transfer_params` whole into the
+        # decode leg, names no decode and takes no first token from the prefill, so the
+        # prefill stages in its own layout and the decode re-blocks and computes its first
+        # token. (tests/live/test_vllm_router.py runs the router over shm.)
+        ("llama", "byte_level", {**ONE_PAIR, "ROUTER": "vllm-router", "KV_TRANSPORT": "nixl"}),
         # q/k-norm; over NIXL, each decode converts from the prefill's own format.
         # Scheduled asynchronously, as on a GPU.
         ("qwen3", "byte_level", {"KV_TRANSPORT": "nixl", "STAGE_AT": "decode", **ASYNC}),
@@ -170,7 +171,7 @@ ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_
         ("gemma3", "sentencepiece", {**ONE_PAIR, "PREFILL_BLOCK_SIZE": "32",
                                      "DECODE_BLOCK_SIZE": "128", "LONE_GAPS": "0"}),
     ],
-    ids=["llama-gqa-shm-vllm-router", "qwen3-nixl-decode-converts",
+    ids=["llama-gqa-nixl-vllm-router", "qwen3-nixl-decode-converts",
          "gemma3-hybrid-sentencepiece-shm"],
 )  # fmt: skip
 def test_random_models_with_their_own_tokenizers_agree_token_for_token(

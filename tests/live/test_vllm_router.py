@@ -9,7 +9,8 @@ right through completions and chat, streamed and not; every request loaded from 
 prefill's KV, none failed; the prefill staged in its decodes' format (`decode_peers`; over
 shm on one host they read its cache directly); and staging freed by the decodes'
 acknowledgements, after the run and after a client abort, never by a lease running out.
-In the 2P2D fleet, one prefill and one decode run the connector inside vLLM's MultiConnector
+The fleet is 2P2D with a side-channel key (the prefills' from the environment, the decodes'
+from a file); one prefill and one decode run the connector inside vLLM's MultiConnector
 (how operators add cache tiers), so its metadata, handshake and stats go through that."""
 
 from __future__ import annotations
@@ -119,12 +120,10 @@ def start_fleet(transport: str, keyed: bool, n: int) -> Fleet:
         raise
 
 
-@pytest.fixture(params=[("shm", True, 1), ("nixl", False, 2)],
-                ids=["shm-1P1D-keyed", "nixl-2P2D"])  # fmt: skip
+# One fleet (CI time): NIXL behind the router runs in the harness's random Llama case.
+@pytest.fixture(params=[("shm", True, 2)], ids=["shm-2P2D-keyed"])
 def fleet(request: pytest.FixtureRequest) -> Iterator[Fleet]:
     transport, keyed, n = request.param
-    if transport == "nixl":
-        pytest.importorskip("nixl")
     fleet = start_fleet(transport, keyed, n)
     failed = request.session.testsfailed
     yield fleet
