@@ -34,10 +34,10 @@ from testbed.model import MODEL_DIR, PY, ROOT, TINY
 # CPU per start): shared by every server, as ~/.cache/vllm/modelinfos is in a normal
 # install. Files are keyed by a hash of the model's source, and written atomically.
 MODELINFOS = ROOT / ".cache" / "vllm-modelinfos"
-# The KV cache of every server: vLLM on CPU writes every page of it at start-up, which took
-# 7-9 s for 1 GiB here when two engines started at once (0.5 s for this). Room for 512k
-# tokens of the shipped model, 16k of the random float32 ones. A case with more KV passes
-# its own --kv-cache-memory-bytes after this (the last one counts).
+# The KV cache of every server: vLLM on CPU writes every page of it at start-up. Two
+# engines starting at once here took 1-9 s longer with 1 GiB each than with 256 MiB.
+# Room for 512k tokens of the shipped model, 16k of the random float32 ones. A case with
+# more KV passes its own --kv-cache-memory-bytes after this (the last one counts).
 KV_CACHE_BYTES = 256 << 20
 ENV = {
     "HF_HUB_OFFLINE": "1",

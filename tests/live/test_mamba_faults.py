@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +43,7 @@ class MambaCluster:
     run: LiveRun
     prefill: VllmServer
     decode: VllmServer
+    model: Path
     seed: int = 0
 
     def prompts(self, n: int) -> list[str]:
@@ -81,7 +83,7 @@ def cluster(
         prefill = start("prefill", "0", "kv_producer", lease_s=LEASE_S)
         decode = start("decode", "1", "kv_consumer", handshake_timeout_s=2.0)
         wait_all_ready(prefill, decode, retries=1)
-        yield MambaCluster(run, prefill, decode)
+        yield MambaCluster(run, prefill, decode, model)
     except BaseException:
         run.keep = True
         raise
@@ -135,3 +137,25 @@ def test_c_an_expired_lease_whose_pages_were_reused_is_refused(cluster: MambaClu
     assert c.handed_off(a, params_a) == c.local(a)
     assert c.count(c.decode, LOAD_FAILURES) - failures0 == 1, "A's stale ticket was loaded"
     assert c.count(c.prefill, EXPIRIES) >= 1
+
+
+def test_d_a_decode_that_zeroes_what_it_loads_answers_otherwise(cluster: MambaCluster) -> None:
+    """The negative control of the cases above (and of the harness's Mamba case): a decode
+    that zeroes the KV and the state it loads (``debug_corrupt_loaded_kv``) loads every
+    handoff, and its answers part from the local ones. So a comparison with the local answer
+    fails where the loaded state is wrong: the Mamba state is used, not recomputed."""
+    c = cluster
+    kv = kv_config("kv_consumer", c.run.engine_id("z"), free_port(), "shm",
+                   debug_corrupt_loaded_kv=True)  # fmt: skip
+    args = ["--no-enable-prefix-caching", "--dtype", "float32"]
+    zeroing = c.run.vllm("zeroing", "1", kv, extra_args=args, model=c.model)
+    wait_all_ready(zeroing, retries=1)
+    prompts = c.prompts(4)
+    answers = [
+        text(*complete(zeroing.url, p, MAX_TOKENS, kv_transfer_params=stage(c.prefill.url, p)))
+        for p in prompts
+    ]
+    same = sum(a == c.local(p) for a, p in zip(answers, prompts, strict=True))
+    time.sleep(1.0)  # the last step's connector stats reach /metrics
+    assert c.count(zeroing, LOADED) == len(prompts), "the zeroing decode did not load"
+    assert same <= 1, f"{same} of {len(prompts)} answers from zeroed KV and state were right"
