@@ -421,6 +421,16 @@ def check_restart(c: Cluster, which: str) -> None:
 # --- shared memory -----------------------------------------------------------------------------
 
 
+def equal_up_to_a_near_tie(got: dict[str, Any], want: dict[str, Any], nats: float = 0.1) -> bool:
+    """``got``'s tokens are ``want``'s (completions logprobs), or they part where ``want``'s
+    two candidates were within ``nats`` of each other, so that rounding can pick either."""
+    for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=False)):
+        if a != b:
+            top = want["top_logprobs"][i]
+            return a in top and abs(top[a] - top[b]) < nats
+    return len(got["tokens"]) == len(want["tokens"])
+
+
 def closed_port() -> int:
     """A port nothing listens on (bound and closed again)."""
     return free_port()
@@ -1184,7 +1194,13 @@ class TestNixl:
         """A model whose KV per token is Llama-3-8B's (128 KiB), a 3,000-token prompt, over
         NIXL with the default configuration: staged, loaded, and answered as the decode
         alone answers it. Before, the staging pool was a fixed 256 MiB (2,048 such tokens):
-        every longer prompt got HTTP 503 through the proxy."""
+        every longer prompt got HTTP 503 through the proxy.
+
+        In bf16 a handoff's decode computes the prompt's last token over loaded KV, and the
+        decode alone computes it inside its prefill: their logprobs part by ~0.02 (measured
+        at 2,200 tokens: -0.978 and -0.994; in float32 7e-6 apart, the same answer), which
+        flipped one of this random model's near-ties in CI. So the answers must be equal
+        token for token up to where they part at a near-tie of the decode's own answer."""
         c = nixl_cluster
         model = random_model(tmp_path_factory, "llama_8b_kv")
         # Two 3,000-token prompts of 128 KiB a token stay in the decode's cache (750 MiB).
@@ -1204,7 +1220,7 @@ class TestNixl:
             text = " ".join(p for p, _ in c.prompts(100))
             ids = token_ids(decode.url, text)
             body = {"model": "model", "prompt": (ids * (3000 // len(ids) + 1))[:3000],
-                    "max_tokens": 8, "temperature": 0.0}  # fmt: skip
+                    "max_tokens": 8, "temperature": 0.0, "logprobs": 2}  # fmt: skip
             r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
             assert r.status_code == 200, r.text[:300]
             alone = {**body, "cache_salt": f"alone-{time.monotonic_ns()}"}
@@ -1215,7 +1231,8 @@ class TestNixl:
             tokens, loaded = r.json()["usage"]["prompt_tokens"], decode.metric(LOADED, 0.0)
             say("Llama-3-8B's KV over NIXL", prompt_tokens=tokens, loaded=loaded)
             assert tokens > 2048 and loaded == 1
-            assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+            got, alone_lp = (x.json()["choices"][0]["logprobs"] for x in (r, want))
+            assert equal_up_to_a_near_tie(got, alone_lp), (got["tokens"], alone_lp["tokens"])
         finally:
             for server in (proxy, prefill, decode):
                 server.kill(signal.SIGTERM)
