@@ -150,14 +150,16 @@ def start(
     extra: dict[str, Any] | None = None,
     prefill_args: tuple[str, ...] = (),
     server_args: tuple[str, ...] = (),
+    wait: bool = True,
 ) -> tuple[str, str | None, list[Server]]:
     """Servers of ``setup``: (URL to ask, the prefill's URL or None, every server);
     ``extra``: this connector's extra config; ``prefill_args``: every prefill server's;
-    ``server_args``: every vLLM server's."""
+    ``server_args``: every vLLM server's; ``wait``: until they are ready."""
     every, prefill = list(server_args), [*server_args, *prefill_args]
     if setup == "aggregated":
         agg = run.vllm("aggregated", "0", None, extra_args=every)
-        wait_all_ready(agg, retries=1)
+        if wait:
+            wait_all_ready(agg, retries=1)
         return agg.url, None, [agg]
     if setup == "nixl-connector":
         kv = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
@@ -184,7 +186,8 @@ def start(
         d_kv = kv_config("kv_consumer", run.engine_id("d"), free_port(), transport, **(extra or {}))
         d = run.vllm("decode", "1", d_kv, extra_args=every + decode_block)
         proxy = run.proxy([p.url], [d.url], [d.side_channel])
-    wait_all_ready(p, d, proxy, retries=1)
+    if wait:
+        wait_all_ready(p, d, proxy, retries=1)
     return proxy.url, p.url, [p, d, proxy]
 
 
@@ -380,20 +383,37 @@ def main(argv: list[str] | None = None) -> int:
     rates: dict[str, float] = {}
     same_server: list[float] = []  # staged / plain, round by round
     urls, runs, disagreements = {}, [], 0
+    extra = {"async_saves": False} if args.sync_saves else None
     with contextlib.ExitStack() as kept:  # --paired: every setup's servers, to the end
-        for setup in args.setups:
+        # --paired: all of them start at once (a minute sooner), then each is measured
+        # while the others idle.
+        started: dict[str, tuple[LiveRun, tuple[str, str | None, list[Server]]]] = {}
+        for setup in args.setups if args.paired else ():
+            run = kept.enter_context(LiveRun(f"cmp{setup}"))
+            runs.append((setup, run))
+            started[setup] = run, start(setup, run, extra, args.prefill_args,
+                                        args.server_args, wait=False)  # fmt: skip
+        if started:
             t0 = time.monotonic()
+            wait_all_ready(*(s for _, (*_, servers) in started.values() for s in servers),
+                           retries=1)  # fmt: skip
+            took = time.monotonic() - t0
+            print(f"[compare] {', '.join(started)}: ready in {took:.0f}s", flush=True)
+        for setup in args.setups:
             with contextlib.ExitStack() as this_setup:
-                run = (kept if args.paired else this_setup).enter_context(LiveRun(f"cmp{setup}"))
-                runs.append((setup, run))
-                extra = {"async_saves": False} if args.sync_saves else None
-                url, prefill_url, servers = start(
-                    setup, run, extra, args.prefill_args, args.server_args
-                )
+                if setup in started:
+                    run, (url, prefill_url, servers) = started[setup]
+                else:
+                    t0 = time.monotonic()
+                    run = this_setup.enter_context(LiveRun(f"cmp{setup}"))
+                    runs.append((setup, run))
+                    url, prefill_url, servers = start(
+                        setup, run, extra, args.prefill_args, args.server_args
+                    )
+                    print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
                 urls[setup] = url
                 if args.pin:
                     pin(servers, args.front_core)
-                print(f"[compare] {setup}: ready in {time.monotonic() - t0:.0f}s", flush=True)
                 # Warm at the highest concurrency: a first batch of new shape is several
                 # times slower on vLLM's CPU backend, and a P/D pair has two engines to warm.
                 asyncio.run(send_all(url, warm, max(args.concurrency), ANSWER_TOKENS))

@@ -740,7 +740,9 @@ class TestShm:
         try:
             params = {**stage(c.prefill.url, px), "remote_port": hole.port}
             with ThreadPoolExecutor(1) as pool:
-                pending = pool.submit(ask, c.decode_fail.url, px, ax, params, 60.0)
+                # The client gives up after 25 s: vLLM's API server holds its connection
+                # open until then (CI: the engine was gone in 0.2 s, the client waited 60 s).
+                pending = pool.submit(ask, c.decode_fail.url, px, ax, params, 25.0)
                 # Until the engine holds the request (its load waits on the silent peer): a
                 # SIGTERM before that hits vLLM's API server mid-admission, where the
                 # request's handler outlives the dead engine until the client gives up.
