@@ -418,9 +418,6 @@ def check_restart(c: Cluster, which: str) -> None:
     )
 
 
-# --- shared memory -----------------------------------------------------------------------------
-
-
 def equal_up_to_a_near_tie(got: dict[str, Any], want: dict[str, Any], nats: float = 0.1) -> bool:
     """``got``'s tokens are ``want``'s (completions logprobs), or they part where ``want``'s
     two candidates were within ``nats`` of each other, so that rounding can pick either."""
@@ -429,6 +426,9 @@ def equal_up_to_a_near_tie(got: dict[str, Any], want: dict[str, Any], nats: floa
             top = want["top_logprobs"][i]
             return a in top and abs(top[a] - top[b]) < nats
     return len(got["tokens"]) == len(want["tokens"])
+
+
+# --- shared memory -----------------------------------------------------------------------------
 
 
 def closed_port() -> int:

@@ -36,6 +36,7 @@ MAX_TOKENS = 12
 LOADED = "vllm:qaic_kv_loaded_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
+SERVE_ARGS = ["--no-enable-prefix-caching", "--dtype", "float32"]  # Mamba on vLLM's CPU
 
 
 @dataclass
@@ -72,13 +73,12 @@ def cluster(
 ) -> Iterator[MambaCluster]:
     model = random_model(tmp_path_factory, "granite_hybrid")
     run = LiveRun("mamba")
-    args = ["--no-enable-prefix-caching", "--dtype", "float32"]
     failures0 = request.session.testsfailed
     try:
 
         def start(name: str, core: str, role: str, **extra: Any) -> VllmServer:
             kv = kv_config(role, run.engine_id(name[0]), free_port(), "shm", **extra)
-            return run.vllm(name, core, kv, extra_args=args, model=model)
+            return run.vllm(name, core, kv, extra_args=SERVE_ARGS, model=model)
 
         prefill = start("prefill", "0", "kv_producer", lease_s=LEASE_S)
         decode = start("decode", "1", "kv_consumer", handshake_timeout_s=2.0)
@@ -147,8 +147,7 @@ def test_d_a_decode_that_zeroes_what_it_loads_answers_otherwise(cluster: MambaCl
     c = cluster
     kv = kv_config("kv_consumer", c.run.engine_id("z"), free_port(), "shm",
                    debug_corrupt_loaded_kv=True)  # fmt: skip
-    args = ["--no-enable-prefix-caching", "--dtype", "float32"]
-    zeroing = c.run.vllm("zeroing", "1", kv, extra_args=args, model=c.model)
+    zeroing = c.run.vllm("zeroing", "1", kv, extra_args=SERVE_ARGS, model=c.model)
     wait_all_ready(zeroing, retries=1)
     prompts = c.prompts(4)
     answers = [
