@@ -53,6 +53,9 @@ ASYNC_SCHEDULING=${ASYNC_SCHEDULING:-0}
 ASYNC_SAVES=${ASYNC_SAVES:-1}  # 0: the connector's async_saves off (staging inside the step)
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-420}
 KEEP_RUN=${KEEP_RUN:-0}
+# On an AMX host, the engine(s) named here (prefill, decode or "prefill decode") see no AMX
+# tiles, so they pack KV as an AVX-512 host does (vec) beside the others' amx.
+NO_AMX=${NO_AMX:-}
 
 unsupported() { echo "unsupported: $*" >&2; exit 2; }
 case "$KV_TRANSPORT" in shm|nixl) ;; *) unsupported "KV_TRANSPORT=$KV_TRANSPORT (shm or nixl)";; esac
@@ -155,6 +158,7 @@ serve() {  # name cores port block_size tp kv_transfer_config(or empty) [extra v
   [ -n "$DTYPE" ] && opts+=(--dtype "$DTYPE")
   [ "$ASYNC_SCHEDULING" = 1 ] && opts+=(--async-scheduling)
   [ -n "$ktc" ] && opts+=(--kv "$ktc")
+  [[ " $NO_AMX " == *" ${name%%[0-9]*} "* ]] && opts+=(--no-amx)
   "$PY" -m testbed.serve vllm "${opts[@]}" -- "$@" >"$RUN_DIR/$name.log" 2>&1 &
   PIDS+=($!)
 }
@@ -163,6 +167,7 @@ ktc() {  # role engine_id side_channel_port
   echo "{\"kv_connector\":\"QAICConnector\",\"kv_role\":\"$1\",\"engine_id\":\"$2\",\"kv_load_failure_policy\":\"fail\",\"kv_connector_extra_config\":{\"transport\":\"$KV_TRANSPORT\",\"side_channel_port\":$3$DEBUG_KEY}}"
 }
 
+echo "[harness] $(bash "$ROOT/scripts/host_isa.sh")"
 echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS concurrency=$CONCURRENCY" \
      "instances P=$NUM_PREFILL_INSTANCES D=$NUM_DECODE_INSTANCES TP P=$PREFILLER_TP_SIZE D=$DECODER_TP_SIZE DP D=$DECODER_DP_SIZE blocks P=$PREFILL_BLOCK_SIZE D=$DECODE_BLOCK_SIZE stage_at=${STAGE_AT:-prefill} transport=$KV_TRANSPORT async_scheduling=$ASYNC_SCHEDULING negative_control=$NEGATIVE_CONTROL"
 PREFILL_ARGS=()
@@ -225,6 +230,11 @@ wait_ready() {  # name port: the launcher's readiness wait; fails when any serve
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
 wait_ready "$ROUTER" "$X_PORT"
+# Which KV packing each engine's connector found (vLLM CPU's differs by host and dtype).
+for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
+  grep -o -E "QAICConnector worker rank [0-9]+: [A-Za-z0-9_]+ layout" "$log" 2>/dev/null | sort -u \
+    | sed -E "s/QAICConnector worker rank ([0-9]+): (.*) layout/[harness] $(basename "$log" .log) rank \1 packs KV as \2/" || true
+done
 
 run_prompts() {  # label url out num_prompts [extra args]
   "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \

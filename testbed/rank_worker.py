@@ -355,6 +355,14 @@ VLLM_DTYPES = ("float16", "bfloat16", "float8_e4m3fn")
 VLLM_PAIRS = [
     (src, dst, VLLM_DTYPES[(i + j) % 3], (16, 32, 64)[i % 3], (16, 32, 64)[(i + 2 * j) % 3])
     for i, src in enumerate(VLLM_LAYOUTS)
-    for j, dst in enumerate((*VLLM_LAYOUTS, "vllm_cpu", "qaic_slot"))
-    if not (dst == "vllm_cpu" and (i + j) % 3 == 2)  # vLLM's CPU cache op has no fp8
+    for j, dst in enumerate((*VLLM_LAYOUTS, "vllm_cpu_vec", "qaic_slot"))
+    if not (dst == "vllm_cpu_vec" and (i + j) % 3 == 2)  # vLLM's CPU cache op has no fp8
 ]
+# vLLM CPU's packings (one per attention ISA family), each against each and against a
+# GPU layout and the QAIC slots, both ways: peers on different CPUs convert.
+CPU_KINDS = ("vllm_cpu_vec", "vllm_cpu_amx", "vllm_cpu_neon_bf16")
+VLLM_PAIRS += [
+    (src, dst, ("bfloat16", "float32")[(i + j) % 2], (32, 64)[i % 2], (32, 64, 128)[j % 3])
+    for i, src in enumerate(CPU_KINDS)
+    for j, dst in enumerate((*CPU_KINDS, "LBNHC", "qaic_slot"))
+] + [("LBHNC", "vllm_cpu_amx", "bfloat16", 16, 32)]

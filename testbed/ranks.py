@@ -16,7 +16,7 @@ def rank_meta(**over: Any) -> RankMetadata:
         engine_id="eng",
         tp_rank=0,
         tp_size=1,
-        layout_kind="vllm_cpu",
+        layout_kind="vllm_cpu_vec",
         block_size=16,
         num_blocks=64,
         num_kv_heads=TINY.kv_heads,

@@ -45,6 +45,7 @@ ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "PYTHONUNBUFFERED": "1",
 }
+NO_AMX = ROOT / "testbed" / "no_amx"  # its sitecustomize.py hides AMX tiles from a server
 # Per server start: a restart must not find the last incarnation's ipc sockets.
 OWN_DIRS = {"TMPDIR": "tmp", "VLLM_CACHE_ROOT": "cache", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
 
@@ -206,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     p.add_argument("--async-scheduling", action="store_true", help="as GPU engines schedule")
     p.add_argument("--own-group", action="store_true")
+    p.add_argument("--no-amx", action="store_true", help="pack KV as a host without AMX does")
     a = p.parse_args(args[1:])
     cmd = vllm_argv(
         a.port, model=a.model, block_size=a.block_size, max_model_len=a.max_model_len,
@@ -213,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix_caching=a.prefix_caching, async_scheduling=a.async_scheduling, extra=extra,
     )  # fmt: skip
     env = vllm_env(a.core, a.dir)
+    if a.no_amx:  # testbed/no_amx/sitecustomize.py hides AMX tiles from every process
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(NO_AMX), env.get("PYTHONPATH")]))
     os.execve(cmd[0], cmd, env)
     return 1  # not reached
 

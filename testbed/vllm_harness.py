@@ -200,7 +200,7 @@ def remote_params(n: int, first: int = 5, port: int = 1, lease_s: float = 120.0)
         "remote_request_id": "p1",
         "num_tokens": n,
         "staging_offset": 0,
-        "staged_layout": "vllm_cpu",
+        "staged_layout": "vllm_cpu_vec",
         "staged_block_size": 128,
         "incarnation": "feedfacefeedface",
         "generation": 1 << 32,

@@ -64,7 +64,7 @@ def test_layers_of_separate_storages_are_not_shared():
     assert move_into_shm([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "LBNHC", "LBHNC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBNHC", "LBHNC"])
 def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_path):
     """Moved into shm in place: vLLM's views of the cache (made before the move) write into
     it, and a second process maps it through /proc and copies the blocks it was named."""
@@ -102,7 +102,7 @@ torch.save(([gather_tokens(kv, {dst_blocks}, {TOKENS}) for kv in dst], copied), 
     assert nbytes == LAYERS * 10 * GEO.bytes_per_block
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu", "LBNHC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBNHC"])
 @pytest.mark.parametrize("layers", [1, LAYERS])
 def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     """Out of the mapped cache (16-token blocks) into HND 8-token blocks, from a token
@@ -133,7 +133,7 @@ def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
 
 def test_a_cache_that_would_not_fit_twice_in_dev_shm_stays_put(monkeypatch, caplog):
     """Past its size a tmpfs answers a write with SIGBUS: too little room means staging."""
-    raw, layers = vllm_like_cache("vllm_cpu")
+    raw, layers = vllm_like_cache("vllm_cpu_vec")
     room = os.statvfs("/dev/shm")
     small = os.statvfs_result((*room[:4], raw.numel() // room.f_frsize, *room[5:]))
     monkeypatch.setattr(direct_reads.os, "statvfs", lambda path: small)
@@ -142,10 +142,10 @@ def test_a_cache_that_would_not_fit_twice_in_dev_shm_stays_put(monkeypatch, capl
 
 
 def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
-    _, layers = vllm_like_cache("vllm_cpu")
+    _, layers = vllm_like_cache("vllm_cpu_vec")
     cache = move_into_shm(layers)
     assert cache is not None
-    layout = get_layout("vllm_cpu")
+    layout = get_layout("vllm_cpu_vec")
     bad_path = msgspec.structs.replace(cache, path="/dev/shm/someone_elses")
     with pytest.raises(ConnectionError, match="is not /proc/<pid>/fd/<n>"):
         PeerCache(bad_path, layout, GEO)
@@ -165,17 +165,17 @@ def test_a_peer_cache_refuses_paths_and_shapes_it_cannot_trust():
 
 def test_block_ids_outside_either_cache_are_refused():
     """The copy goes by address: an id past either cache would read or write outside it."""
-    _, layers = vllm_like_cache("vllm_cpu")
+    _, layers = vllm_like_cache("vllm_cpu_vec")
     cache = move_into_shm(layers)
     assert cache is not None
     reader = DirectReader(CopyPool())
-    peer = reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
-    ours = [get_layout("vllm_cpu").allocate(4, GEO) for _ in layers]
+    peer = reader.peer("p/0", cache, get_layout("vllm_cpu_vec"), GEO)
+    ours = [get_layout("vllm_cpu_vec").allocate(4, GEO) for _ in layers]
     with pytest.raises(ValueError, match=f"prefill block ids 0..{BLOCKS} outside 0..{BLOCKS - 1}"):
         reader.copy(peer, [0, BLOCKS], ours, [0, 1])
     with pytest.raises(ValueError, match="our block ids -1..1 outside 0..3"):
         reader.copy(peer, [0, 1], ours, [1, -1])
-    mixed = [*ours[:-1], get_layout("vllm_cpu").allocate(5, GEO)]  # one plan serves all layers
+    mixed = [*ours[:-1], get_layout("vllm_cpu_vec").allocate(5, GEO)]  # one plan serves all layers
     with pytest.raises(ValueError, match="our layers in one shape and stride"):
         reader.copy(peer, [0, 1], mixed, [0, 1])
     assert not any(t.any() for t in ours)
@@ -197,7 +197,7 @@ time.sleep(300)
     reader = DirectReader(CopyPool())
     try:
         cache = msgspec.json.decode(proc.stdout.readline(), type=SharedCache)
-        reader.peer("p/0", cache, get_layout("vllm_cpu"), GEO)
+        reader.peer("p/0", cache, get_layout("vllm_cpu_vec"), GEO)
         reader.drop_dead()
         assert reader.owners == ["p/0"]  # alive: kept
     finally:
@@ -246,7 +246,7 @@ ENDS = ["cpu-to-cpu"] + [
 
 
 @pytest.mark.parametrize("ends", ENDS)
-@pytest.mark.parametrize("kind", ["vllm_cpu", "LBHNC", "BLHNC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBHNC", "BLHNC"])
 def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind, ends):
     """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
     transfer of whole blocks (adjacent ones merged) from one into the other over UCX. A

@@ -222,7 +222,7 @@ def staged(request_id: str, side_port: int) -> dict[str, Any]:
         "remote_request_id": request_id,
         "num_tokens": 4,
         "staging_offset": 0,
-        "staged_layout": "vllm_cpu",
+        "staged_layout": "vllm_cpu_vec",
         "staged_block_size": 128,
         "incarnation": "feedfacefeedface",
         "generation": 1 << 32,

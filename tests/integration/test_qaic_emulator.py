@@ -68,7 +68,7 @@ class FakePrefill:
             return Ok()
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
-            self.engine, 0, 1, "vllm_cpu", 16, 64, H, D, TINY.dtype, L, TINY.name,
+            self.engine, 0, 1, "vllm_cpu_vec", 16, 64, H, D, TINY.dtype, L, TINY.name,
             compat_hash(TINY.dtype, L, H, D), self.transport.endpoint(),
             self.incarnation,
         )  # fmt: skip
@@ -153,10 +153,10 @@ SENTINEL = 7.25
     [
         ("shm", "qaic_slot", CTX, None, 1),
         ("shm", "qaic_slot", CTX, "P0", 1),
-        ("shm", "vllm_cpu", 16, None, 1),
+        ("shm", "vllm_cpu_vec", 16, None, 1),
         ("nixl", "qaic_slot", CTX, None, 1),
         ("nixl", "qaic_slot", CTX, "P0", 2),
-        ("nixl", "vllm_cpu", 16, None, 1),
+        ("nixl", "vllm_cpu_vec", 16, None, 1),
     ],
     ids=[
         "shm-slot-native", "shm-slot-native-prefixed", "shm-vllm-cpu-converted",

@@ -27,12 +27,15 @@ from vllm_qaic_connector.protocol.wire import (
 from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
+CPU = "vllm_cpu_vec"  # vLLM CPU's packing on AVX hosts (vec)
 CASES = [
     # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, saves off the step
-    (4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, True),
-    (4, 4, 2, "LBHNC", 16, "vllm_cpu", 64, 97, True),
-    (2, 4, 1, "vllm_cpu", 64, "vllm_cpu", 32, 130, False),  # GQA: heads replicated over prefill
+    (4, 2, 1, CPU, 32, "LBNHC", 16, 150, True),
+    (4, 4, 2, "LBHNC", 16, CPU, 64, 97, True),
+    (2, 4, 1, CPU, 64, CPU, 32, 130, False),  # GQA: heads replicated over prefill
     (4, 1, 2, "LBNHC", 128, "qaic_slot", 256, 200, True),
+    (4, 2, 1, "vllm_cpu_amx", 32, CPU, 64, 150, True),  # an AMX host to an AVX one
+    (4, 1, 2, CPU, 64, "vllm_cpu_amx", 32, 97, False),
 ]
 
 
@@ -77,14 +80,14 @@ def test_vllm_layouts_move_byte_exactly_between_every_pair(pair):
 def test_an_idle_step_reports_its_load_at_once(transport):
     """Where the engine computes nothing, the load started in a step (its handshake too)
     is reported by that step's get_finished: the request runs one engine step sooner."""
-    results, outs, _ = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 100,
+    results, outs, _ = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 100,
                                    transport=transport, idle=True)  # fmt: skip
     assert outs[0]["first"] == {"d1"} and outs[0]["errors"] == set()
     assert np.array_equal(outs[0]["got"][1][0], results[0]["ref"][1][0])
 
 
 def test_decode_prefix_hit_reads_only_missing_tokens():
-    results, outs, _ = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 100, first_token=64)
+    results, outs, _ = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 100, first_token=64)
     out = outs[0]
     for layer in range(2):
         for kv in range(2):
@@ -96,7 +99,7 @@ def test_decode_prefix_hit_reads_only_missing_tokens():
 
 
 def test_incompatible_peer_is_refused_and_blocks_reported():
-    _, outs, released = run_handoff(4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, d_head_size=64)
+    _, outs, released = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 70, d_head_size=64)
     out = outs[0]
     assert out["done"] == {"d1"}  # finished, so vLLM applies kv_load_failure_policy
     assert out["errors"] == {3, 4, 5}  # every block it was to load
@@ -106,7 +109,7 @@ def test_incompatible_peer_is_refused_and_blocks_reported():
 
 def test_nixl_handoff_acknowledged_by_notification():
     """Over NIXL the decode's READ carries its acknowledgement; no side-channel release."""
-    results, outs, acks = run_handoff(4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, transport="nixl")
+    results, outs, acks = run_handoff(4, 2, 1, CPU, 32, "LBNHC", 16, 150, transport="nixl")
     out = outs[0]
     assert out["done"] == {"d1"} and out["errors"] == set()
     for layer in range(2):
@@ -119,9 +122,7 @@ def test_nixl_handoff_acknowledged_by_notification():
 def test_ticket_of_another_generation_is_a_load_error(transport):
     """The staged region's header holds another generation (the region was reused): the
     load fails and reports its blocks, whatever the transport."""
-    _, outs, released = run_handoff(
-        4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, transport=transport, stale=1
-    )
+    _, outs, released = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 70, transport=transport, stale=1)
     out = outs[0]
     assert out["done"] == {"d1"} and out["errors"] == {3, 4, 5}
     assert out["stats"].get("load_failures") == 1
@@ -131,9 +132,7 @@ def test_ticket_of_another_generation_is_a_load_error(transport):
 def test_a_read_after_the_lease_ran_out_is_a_load_error():
     """The region still holds the ticket's generation (an idle prefill has not yet freed
     it), but the lease the decode knows of has ended: the read never starts."""
-    _, outs, _ = run_handoff(
-        4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 70, holds_until=time.time() - 1.0
-    )
+    _, outs, _ = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 70, holds_until=time.time() - 1.0)
     assert outs[0]["done"] == {"d1"} and outs[0]["errors"] == {3, 4, 5}
     assert outs[0]["stats"].get("load_failures") == 1
 
@@ -260,9 +259,9 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_
     [
         # heads, P TP, D TP, P layout, P block, D layout, D block, tokens, window, transport,
         # first token the decode computes itself (a local prefix-cache hit)
-        (4, 2, 1, "vllm_cpu", 32, "LBNHC", 16, 150, 40, "shm", 0),
-        (4, 1, 2, "vllm_cpu", 64, "vllm_cpu", 32, 190, 50, "nixl", 0),
-        (4, 1, 1, "vllm_cpu", 32, "vllm_cpu", 32, 200, 64, "shm", 160),
+        (4, 2, 1, CPU, 32, "LBNHC", 16, 150, 40, "shm", 0),
+        (4, 1, 2, CPU, 64, CPU, 32, 190, 50, "nixl", 0),
+        (4, 1, 1, CPU, 32, CPU, 32, 200, 64, "shm", 160),
     ],
     ids=["shm-P2x32-D1x16", "nixl-P1x64-D2x32", "shm-prefix-hit-past-window-start"],
 )

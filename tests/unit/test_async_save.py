@@ -38,7 +38,7 @@ GEN = (7 << 32) + 3
 def save_spec(request_id: str, blocks: list[int], n: int, offset: int, gen: int) -> SaveSpec:
     return SaveSpec(
         request_id=request_id, block_ids=(blocks,), num_tokens=n, staging_offset=offset,
-        layout_kind="vllm_cpu", block_size=32, generation=gen,
+        layout_kind="vllm_cpu_vec", block_size=32, generation=gen,
     )  # fmt: skip
 
 
@@ -104,7 +104,7 @@ def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save(monkeyp
     from vllm_qaic_connector.worker import request_saves
 
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)  # every save is "large"
-    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu_vec")
     extra = {"async_saves": True}
     worker = make_worker({**args, "engine": f"as{os.getpid()}", "extra": extra}, seed=3)
     assert worker.transport is not None and worker.saves is not None
@@ -131,7 +131,7 @@ def test_the_step_does_not_wait_and_blocks_come_back_only_after_the_save(monkeyp
         assert sent == {"p1"}  # never p2: vLLM would free a running request's blocks
         assert worker.get_finished() == (None, None)
         geo = KVGeometry(2, 32, 32, torch.float32)
-        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        fmt = StagingFormat("vllm_cpu_vec", geo, len(worker.layers))
         staged = list(range(blocks_for_tokens(n, 32)))
         with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
             views = fmt.layer_views(r, n)
@@ -152,7 +152,7 @@ def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatc
     from vllm_qaic_connector.worker import request_saves
 
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", inline_bytes)
-    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu_vec")
     extra = {"async_saves": True}
     worker = make_worker({**args, "engine": f"in{os.getpid()}", "extra": extra}, seed=4)
     assert worker.transport is not None and worker.saves is not None
@@ -185,7 +185,7 @@ def test_a_small_save_runs_in_the_step_a_large_one_on_the_save_thread(monkeypatc
         if not inline:
             assert ran_on and ran_on[0].startswith("qaic-kv-save")
         geo = KVGeometry(2, 32, 32, torch.float32)
-        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        fmt = StagingFormat("vllm_cpu_vec", geo, len(worker.layers))
         staged = list(range(blocks_for_tokens(n, 32)))
         with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
             for src, dst in zip(worker.layers, fmt.layer_views(r, n), strict=True):
@@ -206,7 +206,7 @@ def test_a_preempted_request_s_save_finishes_before_the_forward_reuses_its_block
     from vllm_qaic_connector.worker import request_saves
 
     monkeypatch.setattr(request_saves, "INLINE_SAVE_BYTES", 0)
-    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu")
+    args = dict(rank=0, tp=1, total_heads=2, block=32, layout="vllm_cpu_vec")
     extra = {"async_saves": True}
     worker = make_worker({**args, "engine": f"pr{os.getpid()}", "extra": extra}, seed=5)
     assert worker.transport is not None and worker.saves is not None
@@ -227,7 +227,7 @@ def test_a_preempted_request_s_save_finishes_before_the_forward_reuses_its_block
             for plane in layer:
                 plane[blocks] = -1.0
         geo = KVGeometry(2, 32, 32, torch.float32)
-        fmt = StagingFormat("vllm_cpu", geo, len(worker.layers))
+        fmt = StagingFormat("vllm_cpu_vec", geo, len(worker.layers))
         staged = list(range(blocks_for_tokens(n, 32)))
         with checked_read(reader, worker.transport.endpoint(), 0, fmt.request_bytes(n), GEN) as r:
             for (k, v), dst in zip(want, fmt.layer_views(r, n), strict=True):

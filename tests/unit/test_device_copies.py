@@ -42,7 +42,7 @@ CASES = [  # cache layout, its block, staged layout, its block, tokens [t0, t1),
     ("LBNHC", 16, "LBHNC", 16, 0, N, 1),
     ("LBHNC", 8, "LHBNC", 16, 0, N, 1),  # a head-major staging: its spans hold other blocks
     ("BLNHC", 16, "qaic_slot", 64, 0, N, 2),  # K and V apart; two layers a piece
-    ("vllm_cpu", 16, "LBNHC", 16, 20, N, 1),  # a second chunk, starting inside a block
+    ("vllm_cpu_vec", 16, "LBNHC", 16, 20, N, 1),  # a second chunk, starting inside a block
     ("LHBNC", 32, "BHLNC", 8, 7, 30, 3),
 ]
 

@@ -61,7 +61,7 @@ def ticket(prompt: list[int]) -> dict[str, Any]:
     return {
         "do_remote_prefill": True, "remote_engine_id": "p", "remote_host": "127.0.0.1",
         "remote_port": 5600, "remote_request_id": "p-1", "num_tokens": len(prompt),
-        "staging_offset": 0, "staged_layout": "vllm_cpu", "staged_block_size": 128,
+        "staging_offset": 0, "staged_layout": "vllm_cpu_vec", "staged_block_size": 128,
         "incarnation": "feedfacefeedface", "generation": 1 << 32,
         "prompt_hash": prompt_hash(prompt), "lease_s": 60.0, "expires_at": time.time() + 60,
     }  # fmt: skip

@@ -107,7 +107,7 @@ def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
     from testbed.rank_worker import make_worker
     from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata
 
-    args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu", window=WINDOW)
+    args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu_vec", window=WINDOW)
     worker = make_worker({**args, "engine": f"hy{os.getpid()}", "extra": {}}, seed=1)
     try:
         sliding, full = [0, 0, 0, 0, 9, 8, 7], [1, 2, 3, 4, 5, 6, 7]  # 0: vLLM's null block

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,10 +13,12 @@ from hypothesis import strategies as st
 from testbed.rank_worker import vllm_kv_caches
 from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
 from vllm_qaic_connector.kv.layout import (
+    CPU_PACKINGS,
     LAYOUTS,
     VLLM_ORDERS,
     HeadRange,
     KVGeometry,
+    PackedKV,
     StagingFormat,
     blocks_for_tokens,
     copy_tokens,
@@ -21,7 +26,12 @@ from vllm_qaic_connector.kv.layout import (
     get_layout,
     plan_token_runs,
 )
-from vllm_qaic_connector.kv.layout_probe import verify_vllm_cpu_layout, write_with_vllm_op
+from vllm_qaic_connector.kv.layout_probe import (
+    ISA_PACKINGS,
+    attention_isa,
+    cpu_layout,
+    matches_vllm_op,
+)
 
 HEADS, HEAD = 2, 32
 
@@ -37,31 +47,60 @@ def filled(kind: str, bs: int, num_blocks: int, heads: int = HEADS, seed: int = 
     return layer, g
 
 
+# Where vLLM 0.32's `reshape_and_cache` (csrc/cpu/cpu_attn_*.hpp) puts token t's dim d of
+# one (block, head) of B tokens and D dims, written out apart from the `Tiling`s.
+def _vllm_index(kind: str, t: int, d: int, b: int, dims: int) -> tuple[int, int]:
+    if kind == "vllm_cpu_vec":
+        return d * b + t, t * dims + d
+    if kind == "vllm_cpu_amx":
+        k = (t // 16) * 16 * dims + (d // 2) * 32 + (t % 16) * 2 + d % 2
+        return k, (d // 16) * 16 * b + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    assert kind == "vllm_cpu_neon_bf16"
+    k = (t // 8) * 8 * dims + (d // 4) * 32 + (t % 8) * 4 + d % 4
+    return k, (d // 2) * 2 * b + (t // 4) * 8 + (d % 2) * 4 + t % 4
+
+
+@pytest.mark.parametrize("kind", sorted(CPU_PACKINGS))
+@pytest.mark.parametrize("bs", [32, 64])
+def test_cpu_packings_read_each_element_where_vllms_kernel_writes_it(kind, bs):
+    """Each (block, head) holds its elements' own indices; the layout must read token t's
+    dim d from where vLLM's kernel writes it, for every t and d."""
+    g = KVGeometry(num_heads=2, head_size=HEAD, block_size=bs, dtype=torch.float32)
+    layer = get_layout(kind).allocate(2, g)
+    per_plane = bs * HEAD
+    layer.view(2, 2, 2, per_plane).copy_(torch.arange(per_plane, dtype=torch.float32))
+    k, v = gather_tokens(get_layout(kind).kv_views(layer, g), [1, 0], 2 * bs)
+    for t in range(2 * bs):
+        for d in range(HEAD):
+            want = _vllm_index(kind, t % bs, d, bs, HEAD)
+            assert (k[1, t, d].item(), v[0, t, d].item()) == want, (t, d)
+
+
+def test_cpu_packings_round_trip_through_their_tiles():
+    for kind, tilings in CPU_PACKINGS.items():
+        canonical = torch.randn(3, 2, 64, HEAD)
+        for tiling in tilings:
+            assert torch.equal(tiling.unpack(tiling.pack(canonical)), canonical), kind
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bs", [16, 32, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_view_reads_what_vllm_cache_op_wrote(bs, dtype):
-    verify_vllm_cpu_layout(bs, HEAD, dtype)  # raises on mismatch
-    layout, g = get_layout("vllm_cpu"), geo(bs, dtype=dtype)
-    n = 2 * bs + 5
-    layer = layout.allocate(4, g)
-    key = torch.randn(n, HEADS, HEAD).to(dtype)
-    value = torch.randn(n, HEADS, HEAD).to(dtype)
-    blocks = [3, 1, 0]
-    slots = torch.tensor([blocks[t // bs] * bs + t % bs for t in range(n)])
-    write_with_vllm_op(layer, key, value, slots)
-    k, v = gather_tokens(layout.kv_views(layer, g), blocks, n)
-    assert torch.equal(k, key.transpose(0, 1)) and torch.equal(v, value.transpose(0, 1))
+@pytest.mark.parametrize("head", [32, 64, 80])
+def test_this_hosts_packing_is_proven_by_vllms_own_op(dtype, bs, head):
+    """The packing vLLM picks on this host (vec, vec16, amx, ...) is one we know, found by
+    writing with vLLM's op; the naive reading (K stored like V) must not pass."""
+    g = KVGeometry(num_heads=2, head_size=head, block_size=bs, dtype=dtype)
+    isa = attention_isa(g)
+    layout = cpu_layout(g)
+    assert layout.kind in ISA_PACKINGS[isa], (isa, layout.kind)
+    print(f"host ISA {isa}: {dtype} block {bs} head {head} -> {layout.kind}")
+    assert not matches_vllm_op("BLHNC", isa, g)  # the probe has teeth
 
 
-def test_cpu_view_rejects_natural_k_reading():
-    # The naive reading (K stored like V) must NOT match what vLLM wrote: the probe
-    # has teeth.
-    bs, layout, g = 32, get_layout("vllm_cpu"), geo(32)
-    layer = layout.allocate(1, g)
-    key = torch.randn(bs, HEADS, HEAD)
-    write_with_vllm_op(layer, key, -key, torch.arange(bs))
-    naive_k = layer.view(1, HEADS, 2 * bs, HEAD)[0, :, :bs, :]
-    assert not torch.equal(naive_k, key.transpose(0, 1))
+def test_fp8_cpu_cache_is_refused_by_name():
+    g = KVGeometry(num_heads=2, head_size=HEAD, block_size=32, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="fp8 KV cache"):
+        cpu_layout(g)
 
 
 def test_vllm_layouts_are_vllms_own():
@@ -97,6 +136,8 @@ def test_vllm_views_read_what_vllms_attention_reads(kind, dtype):
 def test_gather_tokens_reads_token_by_token(kind):
     layer, g = filled(kind, 16, 5)
     views, blocks = get_layout(kind).kv_views(layer, g), [3, 0, 4, 1]
+    if isinstance(views, PackedKV):  # token-major only once unpacked
+        views = tuple(t.unpack(p) for t, p in zip(views.tilings, views, strict=True))
     for view, got in zip(views, gather_tokens(views, blocks, 50), strict=True):
         want = torch.stack([view[blocks[t // 16], :, t % 16] for t in range(50)], dim=1)
         assert torch.equal(got, want)
@@ -161,10 +202,10 @@ def test_copy_matches_reference_for_every_layout_and_block_pair(
 @pytest.mark.parametrize("heads", [HeadRange(0, 1, 0), HeadRange(1, 2, 0), HeadRange(2, 4, 1)])
 def test_head_ranges_select_and_place_heads(heads):
     src_layer, sg = filled("cuda_nhd", 16, 2, heads=4)
-    dst_layer, dg = filled("vllm_cpu", 32, 1, heads=3, seed=5)
+    dst_layer, dg = filled("vllm_cpu_vec", 32, 1, heads=3, seed=5)
     sv, dv = (
         get_layout("cuda_nhd").kv_views(src_layer, sg),
-        get_layout("vllm_cpu").kv_views(dst_layer, dg),
+        get_layout("vllm_cpu_vec").kv_views(dst_layer, dg),
     )
     copy_tokens(sv, [1, 0], dv, [0], 0, 20, heads)
     want, got = gather_tokens(sv, [1, 0], 20), gather_tokens(dv, [0], 20)
@@ -193,9 +234,9 @@ def test_head_range_that_does_not_fit_is_refused():
 def test_block_ids_outside_the_cache_are_refused_before_any_byte_moves(side, bad):
     """Copies go by address: a block id past either cache's end (or negative) is an
     IndexError naming the range, and neither side is written."""
-    src_layer, sg = filled("vllm_cpu", 16, 3)
+    src_layer, sg = filled("vllm_cpu_vec", 16, 3)
     dst_layer, dg = filled("cuda_hnd", 16, 3, seed=1)
-    sv = get_layout("vllm_cpu").kv_views(src_layer, sg)
+    sv = get_layout("vllm_cpu_vec").kv_views(src_layer, sg)
     dv = get_layout("cuda_hnd").kv_views(dst_layer, dg)
     before = (src_layer.clone(), dst_layer.clone())
     src_ids, dst_ids = ([0, bad], [1, 2]) if side == "source" else ([0, 1], [bad, 2])
@@ -205,7 +246,7 @@ def test_block_ids_outside_the_cache_are_refused_before_any_byte_moves(side, bad
 
 
 def test_staging_format_round_trip_through_flat_bytes():
-    fmt = StagingFormat("vllm_cpu", geo(32), num_layers=2)
+    fmt = StagingFormat("vllm_cpu_vec", geo(32), num_layers=2)
     region = torch.zeros(fmt.request_bytes(70), dtype=torch.uint8)
     views = fmt.layer_views(region, 70)
     assert len(views) == 2 and views[0][0].shape == (3, HEADS, 32, HEAD)
@@ -268,3 +309,30 @@ def test_merge_runs_joins_only_runs_that_continue_on_both_sides():
     assert merge_runs(runs) == [ByteRun(0, 100, 16), ByteRun(16, 200, 8), ByteRun(30, 208, 2)]
     with pytest.raises(ValueError, match="tokens into slot"):
         plan_slot_reads(KVGeometry(1, 4, 8, torch.float32), 9, 0, [(0, 64)])
+
+
+@pytest.fixture(scope="module")
+def isa_verdicts() -> dict[str, list[str]]:
+    """`testbed.cpu_packings` in a subprocess (an ISA's kernel may stop it with SIGILL)."""
+    run = subprocess.run([sys.executable, "-m", "testbed.cpu_packings"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    lines = [x for x in run.stdout.splitlines() if " -> " in x]
+    last = lines[-1] if lines else "the start"
+    assert run.returncode == 0, f"stopped at {last}: {run.stderr[-2000:]}"
+    verdicts: dict[str, list[str]] = {}
+    for line in lines:
+        case, verdict = line.split(" -> ")
+        verdicts.setdefault(case.split()[0], []).append(f"{case}: {verdict}")
+    return verdicts
+
+
+@pytest.mark.parametrize("isa", sorted(ISA_PACKINGS))
+def test_every_vllm_cpu_isa_writes_the_packing_we_read(isa, isa_verdicts):
+    """Every ISA vLLM's CPU attention can pick, written with vLLM's own op wherever its
+    build for this host has the kernel; the rest are named as not checked here (a skip
+    with the reason), never passed silently."""
+    cases = isa_verdicts[isa]
+    assert not [c for c in cases if c.endswith("mismatch")], cases
+    if all("cannot run here" in c for c in cases):
+        pytest.skip(f"{isa} ({'/'.join(ISA_PACKINGS[isa])}) not checked on this host: {cases[0]}")
+    assert all(c.split(": ")[-1] in ISA_PACKINGS[isa] for c in cases), cases

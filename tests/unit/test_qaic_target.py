@@ -237,7 +237,7 @@ def test_prefix_rule_on_internal_retained_state(shm_prefix):
 def test_write_from_staged_blocks_in_another_layout(shm_prefix):
     """The decode path: a staged region (vLLM CPU layout, block 4) -> slot, via copy_tokens."""
     geo = KVGeometry(num_heads=H, head_size=D, block_size=4, dtype=DT)
-    fmt = StagingFormat("vllm_cpu", geo, num_layers=2)
+    fmt = StagingFormat("vllm_cpu_vec", geo, num_layers=2)
     n = 10
     region = torch.randint(0, 256, (fmt.request_bytes(n),), dtype=torch.uint8)
     region.view(DT).copy_(torch.randn(region.numel() // 2).to(DT))  # finite values

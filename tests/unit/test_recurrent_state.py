@@ -61,7 +61,7 @@ def test_state_crosses_a_real_shm_segment_into_another_engines_block():
     decode = RecurrentState((vllm_like_state(8, 3), vllm_like_state(8, 4)), (0, 0))
     assert prefill.signature() == decode.signature()
     geo = KVGeometry(2, 32, BS, torch.float32)
-    fmt = StagingFormat("vllm_cpu", geo, 2, (), prefill.nbytes())
+    fmt = StagingFormat("vllm_cpu_vec", geo, 2, (), prefill.nbytes())
     n = 37  # KV of 3 blocks per layer, then the state, aligned
     name = f"qaic_kv_test_state_{os.getpid()}"
     own = SharedSegment(name, 1 << 22, create=True)

@@ -317,7 +317,7 @@ def test_behind_a_router_the_prefill_stages_in_its_decode_peers_format():
         while staged_format(agreeing, f"a{time.monotonic()}") != ("LBHNC", 64):
             assert time.monotonic() < deadline, "never staged in the decodes' format"
             time.sleep(0.05)
-        assert staged_format(mixed, "m1") == ("vllm_cpu", BS)  # they differ: our own
+        assert staged_format(mixed, "m1") == ("vllm_cpu_vec", BS)  # they differ: our own
     finally:
         for sched in [*prefills, *decodes]:
             sched.connector.shutdown()
@@ -364,7 +364,7 @@ def test_unreachable_decode_falls_back_to_own_format():
                 spec = meta(out).saves[0]
                 break
             time.sleep(0.01)
-        assert spec is not None and (spec.layout_kind, spec.block_size) == ("vllm_cpu", BS)
+        assert spec is not None and (spec.layout_kind, spec.block_size) == ("vllm_cpu_vec", BS)
     finally:
         sched.connector.shutdown()
 

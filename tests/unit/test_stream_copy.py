@@ -83,7 +83,7 @@ def test_block_ranges_copy_exactly_the_named_blocks_of_every_layout(kind):
 
 def test_blocks_with_gaps_between_them_are_copied_block_by_block():
     """A layer whose block stride is padded: no run spans two blocks."""
-    layout = get_layout("vllm_cpu")
+    layout = get_layout("vllm_cpu_vec")
     shape = layout.physical_shape(12, GEO)
     elems = GEO.num_heads * GEO.block_size * 2 * GEO.head_size
     padded = torch.randn(12 * (elems + 64), generator=torch.Generator().manual_seed(2)).half()
@@ -144,14 +144,14 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     assert results[0].any()
     # rows of every pair go native (V's at least), none shorter than the floor
     assert calls and all(r.chunk >= layout.MIN_ROW_BYTES for r in calls)
-    assert bool(tiles) == ((src_kind == "vllm_cpu") != (dst_kind == "vllm_cpu"))
+    assert bool(tiles) == ((src_kind == "vllm_cpu_vec") != (dst_kind == "vllm_cpu_vec"))
 
 
 @pytest.mark.parametrize("into_cpu", [False, True])
 def test_vllm_cpu_keys_are_transposed_natively_to_and_from_a_slot(into_cpu):
     """Whole 128 x 128 key blocks (the in-cache 8 x 8 transposes) and a partial last block
     (element by element): every token as the reference gather reads it."""
-    cpu, slot = get_layout("vllm_cpu"), get_layout("qaic_slot")
+    cpu, slot = get_layout("vllm_cpu_vec"), get_layout("qaic_slot")
     cpu_geo = KVGeometry(num_heads=2, head_size=128, block_size=128, dtype=torch.bfloat16)
     slot_geo = KVGeometry(num_heads=2, head_size=128, block_size=512, dtype=torch.bfloat16)
     n, cpu_blocks = 300, [4, 0, 2]

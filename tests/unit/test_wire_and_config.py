@@ -97,7 +97,7 @@ def good_params() -> dict:
         "remote_request_id": "r1",
         "num_tokens": 100,
         "staging_offset": 0,
-        "staged_layout": "vllm_cpu",
+        "staged_layout": "vllm_cpu_vec",
         "staged_block_size": 128,
         "incarnation": "0123456789abcdef",
         "generation": 7 << 32,

@@ -94,15 +94,59 @@ VLLM_ORDERS = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How vLLM's CPU backend packs one (block, head)'s K or V ``[B, D]``: tokens in tiles
+    of ``tokens`` (0: the whole block), dims in tiles of ``dims`` (0: the whole head), and
+    ``order`` the memory order of (token tile, token in tile, dim tile, dim in tile)."""
+
+    tokens: int
+    dims: int
+    order: tuple[int, int, int, int] = (0, 1, 2, 3)
+
+    def split(self, bs: int, d: int) -> tuple[int, int, int, int]:
+        tb, td = self.tokens or bs, self.dims or d
+        if bs % tb or d % td:
+            raise ValueError(f"block {bs} x head {d} does not tile by {tb} x {td}")
+        return bs // tb, tb, d // td, td
+
+    def unpack(self, raw: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """Canonical ``[n, H, B, D]`` from blocks' elements in memory order (``raw``, shaped
+        alike): a copy, or with ``copy`` false a view (RuntimeError where none exists)."""
+        n, h, bs, d = raw.shape
+        split = self.split(bs, d)
+        back = tuple(2 + self.order.index(i) for i in range(4))
+        tiles = raw.reshape(n, h, *(split[i] for i in self.order)).permute(0, 1, *back)
+        return tiles.reshape(n, h, bs, d) if copy else tiles.view(n, h, bs, d)
+
+    def pack(self, canonical: torch.Tensor) -> torch.Tensor:
+        """The inverse of `unpack`: blocks' elements in memory order, shaped ``[n, H, B, D]``."""
+        n, h, bs, d = canonical.shape
+        tiles = canonical.reshape(n, h, *self.split(bs, d))
+        return tiles.permute(0, 1, *(2 + i for i in self.order)).reshape(n, h, bs, d)
+
+
+class PackedKV(tuple[torch.Tensor, torch.Tensor]):
+    """K and V of a layout whose tokens no strided view can index (vLLM CPU's ``amx``):
+    each (block, head)'s elements in memory order, shaped ``[blocks, H, B, D]``, with the
+    tilings that say where token t's dim d lies. Whole blocks copy as they are;
+    `copy_layers` unpacks and packs anything else."""
+
+    tilings: tuple[Tiling, Tiling]
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, tilings: tuple[Tiling, Tiling]) -> PackedKV:
+        kv = super().__new__(cls, (k, v))
+        kv.tilings = tilings
+        return kv
+
+
 class VllmCpuLayout(KVLayout):
-    """vLLM CPU backend, ``[num_blocks, H, B, 2D]`` read as ``[num_blocks, H, 2B, D]``.
+    """vLLM CPU backend, ``[num_blocks, H, B, 2D]`` read as ``[num_blocks, H, 2B, D]``: rows
+    ``0..B-1`` of each (block, head) hold K, rows ``B..2B-1`` V, each packed the way the
+    attention ISA vLLM picked on that host needs (`cpu_packings`). `layout_probe` checks
+    the packing against the installed vLLM's own cache-write op before trusting it."""
 
-    Rows ``0..B-1`` of each (block, head) hold K stored transposed (``[D, B]`` in memory),
-    rows ``B..2B-1`` hold V as ``[B, D]``. `worker_side` verifies this against the installed
-    vLLM's own cache-write op before trusting it.
-    """
-
-    kind = "vllm_cpu"
+    tilings: ClassVar[tuple[Tiling, Tiling]]
     block_dim = 0  # K and V share a block: [H, 2B, D]
 
     def physical_shape(self, num_blocks: int, geo: KVGeometry) -> tuple[int, ...]:
@@ -111,7 +155,24 @@ class VllmCpuLayout(KVLayout):
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
         nb, heads, bs, d = layer.shape[0], geo.num_heads, geo.block_size, geo.head_size
         packed = layer.view(nb, heads, 2 * bs, d)
-        return packed[:, :, :bs].view(nb, heads, d, bs).transpose(2, 3), packed[:, :, bs:, :]
+        raw = packed[:, :, :bs], packed[:, :, bs:]
+        try:  # a strided view where the packing allows one (vec: K is stored transposed)
+            k, v = (t.unpack(r, copy=False) for t, r in zip(self.tilings, raw, strict=True))
+        except RuntimeError:
+            return PackedKV(*raw, self.tilings)
+        return k, v
+
+
+# vLLM 0.32 CPU's packings (csrc/cpu/cpu_attn_*.hpp `reshape_and_cache`), by the name
+# peers say. ``vec``: K transposed per block and head, V as is (also vec16, neon without
+# bf16 dot products, vsx, vxe, rvv). ``amx`` (bf16 only): K in tiles of 16 tokens by 2
+# dims (a 4-byte word), V in tiles of 2 tokens by 16 dims. ``neon_bf16`` (BFMMLA): K in
+# tiles of 8 tokens by 4 dims, V of 4 tokens by 2 dims.
+CPU_PACKINGS: dict[str, tuple[Tiling, Tiling]] = {
+    "vllm_cpu_vec": (Tiling(0, 1, (0, 2, 1, 3)), Tiling(0, 0)),
+    "vllm_cpu_amx": (Tiling(16, 2, (0, 2, 1, 3)), Tiling(2, 16, (2, 0, 3, 1))),
+    "vllm_cpu_neon_bf16": (Tiling(8, 4, (0, 2, 1, 3)), Tiling(4, 2, (2, 0, 3, 1))),
+}  # fmt: skip
 
 
 class QaicSlotLayout(KVLayout):
@@ -134,7 +195,11 @@ LAYOUTS: dict[str, KVLayout] = {
     n: type(f"Vllm{n}Layout", (VllmPagedLayout,), {"kind": n, "layer_order": o})()
     for n, o in VLLM_ORDERS.items()
 }
-LAYOUTS |= {cls.kind: cls() for cls in (VllmCpuLayout, QaicSlotLayout)}
+LAYOUTS |= {
+    n: type(f"Cpu{n}Layout", (VllmCpuLayout,), {"kind": n, "tilings": t})()
+    for n, t in CPU_PACKINGS.items()
+}
+LAYOUTS[QaicSlotLayout.kind] = QaicSlotLayout()
 if tuple(LAYOUTS) != LAYOUT_KINDS:
     raise ImportError("wire.LAYOUT_KINDS must name every layout, in order")
 
@@ -213,6 +278,8 @@ def copy_layers(
     covers every layer, so the Python cost is per plan step, not per layer."""
     if not src or not dst:
         return 0
+    if isinstance(src[0], PackedKV) or isinstance(dst[0], PackedKV):
+        return _copy_packed(src, src_blocks, dst, dst_blocks, t0, t1, heads, dst_t0)
     k, k_out = src[0][0], dst[0][0]
     src_bs, dst_bs = k.shape[2], k_out.shape[2]
     if k.shape[3] != k_out.shape[3] or k.dtype != k_out.dtype:  # bytes are copied
@@ -243,6 +310,54 @@ def copy_layers(
                     _copy_one_layer(s_one[:, :, so : so + b.n], src_ids,
                                     d_one[:, :, do : do + b.n], dst_ids, ints)  # fmt: skip
     return tokens_bytes(dst, t0, t1, h)
+
+
+def _copy_packed(
+    src: Sequence[KV], src_blocks: Sequence[int], dst: Sequence[KV], dst_blocks: Sequence[int],
+    t0: int, t1: int, heads: HeadRange | None, dst_t0: int | None,
+) -> int:  # fmt: skip
+    """`copy_layers` where a side is packed: whole blocks as they are between equal packings
+    from a block's start, else through canonical copies of the blocks involved (a packed
+    destination's blocks are unpacked, written and packed back, so tokens outside
+    ``[t0, t1)`` keep their bytes)."""
+    src_bs, dst_bs = src[0][0].shape[2], dst[0][0].shape[2]
+    at = t0 if dst_t0 is None else dst_t0
+    src_ids = _block_ids(src_blocks, t0, t1, src_bs)
+    dst_ids = _block_ids(dst_blocks, at, at + t1 - t0, dst_bs)
+    h = heads or HeadRange(0, src[0][0].shape[1])
+    hs, hd = slice(h.start, h.stop), slice(h.dst_start, h.dst_start + h.stop - h.start)
+    s_packed, d_packed = isinstance(src[0], PackedKV), isinstance(dst[0], PackedKV)
+    same = s_packed and d_packed and src[0].tilings == dst[0].tilings  # type: ignore[attr-defined]
+    if same and src_bs == dst_bs and t0 % src_bs == 0 == at % dst_bs:
+        for s_kv, d_kv in zip(src, dst, strict=True):  # the tail past t1 is no data yet
+            for s_, d_ in zip(s_kv, d_kv, strict=True):
+                d_[dst_ids, hd] = s_[src_ids, hs]
+        return tokens_bytes(dst, t0, t1, h)
+    # A packed side is copied in canonical form: its blocks are then 0, 1, ... there.
+    s_blocks = range(len(src_ids)) if s_packed else src_ids.tolist()
+    d_blocks = range(len(dst_ids)) if d_packed else dst_ids.tolist()
+    for s_kv, d_kv in zip(src, dst, strict=True):
+        d_c = _canonical(d_kv, dst_ids) if d_packed else d_kv
+        s_c = _canonical(s_kv, src_ids) if s_packed else s_kv
+        copy_layers([s_c], s_blocks, [d_c], d_blocks,
+                    t0 % src_bs, t0 % src_bs + t1 - t0, h, at % dst_bs)  # fmt: skip
+        if isinstance(d_kv, PackedKV):
+            for plane, tiling, canonical in zip(d_kv, d_kv.tilings, d_c, strict=True):
+                plane[dst_ids] = tiling.pack(canonical)
+    return tokens_bytes(dst, t0, t1, h)
+
+
+def _block_ids(blocks: Sequence[int], t0: int, t1: int, block_size: int) -> torch.Tensor:
+    """The physical blocks holding tokens ``[t0, t1)``."""
+    return torch.as_tensor(list(blocks[t0 // block_size : -(-t1 // block_size)]), dtype=torch.long)
+
+
+def _canonical(kv: KV, ids: torch.Tensor) -> KV:
+    """Blocks ``ids`` of ``kv`` as canonical copies, unpacked where packed."""
+    if isinstance(kv, PackedKV):
+        k, v = (t.unpack(plane[ids]) for t, plane in zip(kv.tilings, kv, strict=True))
+        return k, v
+    return kv[0][ids], kv[1][ids]
 
 
 def tokens_bytes(layers: Sequence[KV], t0: int, t1: int, heads: HeadRange | None = None) -> int:
@@ -472,7 +587,7 @@ def gather_tokens(kv: KV, blocks: Sequence[int], num_tokens: int) -> KV:
     """Reference: K and V of the first ``num_tokens`` tokens, ``[heads, tokens, head_dim]``."""
     nb = blocks_for_tokens(num_tokens, kv[0].shape[2])
     used = torch.as_tensor(blocks[:nb], dtype=torch.long)
-    k, v = (view[used].transpose(0, 1).flatten(1, 2)[:, :num_tokens] for view in kv)
+    k, v = (view.transpose(0, 1).flatten(1, 2)[:, :num_tokens] for view in _canonical(kv, used))
     return k, v
 
 

@@ -16,17 +16,18 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 5: vLLM 0.32's layout names (4: direct reads)
+PROTOCOL_VERSION = 6  # 6: vLLM CPU's packings by name (5: vLLM 0.32's layout names)
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")
 
 
 # The physical KV layouts peers name (kv/layout.py has one class per name): vLLM's six
-# `KVCacheLayout` orders, vLLM CPU's packing and the QAIC slots. Here, not there: the
-# proxy reads tickets and must not import torch.
+# `KVCacheLayout` orders, vLLM CPU's packings (one per family of attention ISAs) and the
+# QAIC slots. Here, not there: the proxy reads tickets and must not import torch.
 LAYOUT_KINDS = (
-    "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC", "vllm_cpu", "qaic_slot",
+    "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC",
+    "vllm_cpu_vec", "vllm_cpu_amx", "vllm_cpu_neon_bf16", "qaic_slot",
 )  # fmt: skip
 # Older names, read as vLLM reads its legacy VLLM_KV_CACHE_LAYOUT values.
 LAYOUT_ALIASES = {"cuda_nhd": "LBNHC", "cuda_hnd": "LBHNC", "NHD": "LBNHC", "HND": "LBHNC"}

@@ -11,7 +11,7 @@ import torch
 
 from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_spec, layer_groups, ordered_layers
 from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
-from vllm_qaic_connector.kv.layout_probe import resolved_layout, verify_vllm_cpu_layout
+from vllm_qaic_connector.kv.layout_probe import resolved_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import (
@@ -101,7 +101,7 @@ def local_cache(
     state_names = ordered_layers(groups, state=True)
     names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
     tensors = [kv_caches[n] for n in names]
-    layout = layout or resolved_layout(layout_name)
+    layout = layout or resolved_layout(layout_name, geometry, verify_cpu_layout)
     for name, t in zip(names, tensors, strict=True):  # a cache we cannot read: say so
         want = layout.physical_shape(t.shape[layout.block_dim], geometry)
         if t.numel() != math.prod(want):
@@ -109,8 +109,6 @@ def local_cache(
                 f"QAICConnector: layer {name}'s KV cache has shape {tuple(t.shape)}, not the "
                 f"{want} of layout {layout.kind} for {geometry}"
             )
-    if layout.kind == "vllm_cpu" and verify_cpu_layout:
-        verify_vllm_cpu_layout(geometry.block_size, geometry.head_size, geometry.dtype)
     state = None
     if state_names:
         states = [state_tensors(n, kv_caches, layer_modules) for n in state_names]
