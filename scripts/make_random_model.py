@@ -167,9 +167,9 @@ def llama(vocab: int) -> PreTrainedModel:
 
 
 def qwen3(vocab: int) -> PreTrainedModel:
-    return Qwen3ForCausalLM(
-        Qwen3Config(**shared(vocab), num_hidden_layers=3, num_key_value_heads=4)
-    )
+    """Heads of 80 dims (as Phi-2's and Qwen-1.8B's): vLLM's CPU attention picks ``vec16``."""
+    sizes = {**shared(vocab), "head_dim": 80}
+    return Qwen3ForCausalLM(Qwen3Config(**sizes, num_hidden_layers=3, num_key_value_heads=4))
 
 
 def gemma3(vocab: int) -> PreTrainedModel:

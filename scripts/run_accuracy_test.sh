@@ -230,10 +230,10 @@ wait_ready() {  # name port: the launcher's readiness wait; fails when any serve
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
 wait_ready "$ROUTER" "$X_PORT"
-# Which KV packing each engine's connector found (vLLM CPU's differs by host and dtype).
+# Which KV packing each engine's connector found (vLLM CPU's differs by host, dtype, head size).
 for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
-  grep -o -E "QAICConnector worker rank [0-9]+: [A-Za-z0-9_]+ layout" "$log" 2>/dev/null | sort -u \
-    | sed -E "s/QAICConnector worker rank ([0-9]+): (.*) layout/[harness] $(basename "$log" .log) rank \1 packs KV as \2/" || true
+  grep -o -E "vLLM CPU attention ISA [a-z0-9_]+ packs KV as [A-Za-z0-9_]+" "$log" 2>/dev/null | sort -u \
+    | sed "s/^/[harness] $(basename "$log" .log): /" || true
 done
 
 run_prompts() {  # label url out num_prompts [extra args]

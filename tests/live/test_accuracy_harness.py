@@ -88,6 +88,39 @@ def test_disaggregated_matches_aggregated(env):
         assert accepted and int(accepted.group(1)) > 0, "no draft token was accepted"
 
 
+AMX_HOST = "amx_tile" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.parametrize(
+    ("env", "packs"),
+    [
+        ({"NO_AMX": "decode"}, {"prefill0": "amx", "decode0": "vec"}),
+        ({"NO_AMX": "prefill"}, {"prefill0": "vec", "decode0": "amx"}),
+        # The QAIC decode's program holds bf16 KV: an amx prefill stages it in slot layout.
+        ({"DECODE_TARGET": "qaic", "QAIC_DTYPE": "bfloat16"}, {"prefill0": "amx"}),
+    ],
+    ids=["amx-prefill-to-vec-decode", "vec-prefill-to-amx-decode", "amx-prefill-to-qaic"],
+)
+def test_peers_on_two_kinds_of_cpu_convert(env, packs):
+    """On an AMX host, with vLLM's default dtype (bf16), one engine made to see no AMX
+    tiles packs KV as an AVX-512 host does: the two packings meet and convert, every
+    answer equal to aggregated and every request from loaded KV."""
+    if not AMX_HOST:
+        pytest.skip(
+            "no AMX tiles on this host: vLLM packs no KV as amx here (vllm_cpu_amx "
+            "is checked live on AMX hosts, byte-exactly here in test_worker_ranks)"
+        )
+    rc, out = harness_leaves_nothing(NUM_PROMPTS="16", CONCURRENCY="8", LONE_GAPS="0", **env)
+    assert rc == 0, "harness gates failed"
+    for server, isa in packs.items():
+        assert f"{server}: vLLM CPU attention ISA {isa} packs KV as vllm_cpu_{isa}" in out
+    m = last_line(out)
+    assert m.group(4) == "16" and float(m.group(3)) >= (99.0 if "DECODE_TARGET" in env else 100.0)
+    if "DECODE_TARGET" not in env:  # (the QAIC harness gates its slot loads itself)
+        loads = re.search(r"loaded_requests=(\d+) .*load_failures=(\d+)", out)
+        assert loads and int(loads.group(1)) == 16 and int(loads.group(2)) == 0, out[-2000:]
+
+
 def test_negative_control_fails_loudly():
     rc, out = harness_leaves_nothing(
         NEGATIVE_CONTROL="1", NUM_PROMPTS="16", CONCURRENCY="8", LONE_GAPS="0"
@@ -192,6 +225,8 @@ def test_random_models_with_their_own_tokenizers_agree_token_for_token(
     if env.get("ROUTER") == "vllm-router":  # a decode leg for every request: all loaded
         assert "vllm-router ready" in out
         assert int(loads.group(1)) == 16 + 3  # and the lone ones, after gaps of 0, 2, 15 s
+    if arch == "qwen3":  # heads of 80 dims: vLLM's vec16 kernels, on every x86 host
+        assert "decode0: vLLM CPU attention ISA vec16 packs KV as vllm_cpu_vec" in out
     if arch == "gemma3":
         cfg = json.loads((model / "config.json").read_text())
         # Full-length KV of every layer, float32; the sliding-window layers (half of them)

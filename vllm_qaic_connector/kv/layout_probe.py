@@ -15,6 +15,9 @@ from vllm_qaic_connector.kv.layout import (
     gather_tokens,
     get_layout,
 )
+from vllm_qaic_connector.logs import get_logger
+
+logger = get_logger(__name__)
 
 # The packings each ISA of vLLM 0.32 CPU may write, the likeliest first (`neon` writes
 # BFMMLA's tiles for bf16 where vLLM was built with ARM bf16, else `vec`'s).
@@ -74,6 +77,9 @@ def cpu_layout(geometry: KVGeometry, verify: bool = True) -> KVLayout:
     kinds = ISA_PACKINGS.get(isa, ())
     for kind in kinds if verify else kinds[:1]:
         if not verify or matches_vllm_op(kind, isa, geometry):
+            how = "checked with vLLM's cache-write op" if verify else "unchecked"
+            logger.info("QAICConnector: vLLM CPU attention ISA %s packs KV as %s (%s)",
+                        isa, kind, how)  # fmt: skip
             return get_layout(kind)
     raise RuntimeError(
         f"vLLM's CPU attention ISA {isa!r} packs this KV cache (block {geometry.block_size}, "
