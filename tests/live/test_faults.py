@@ -83,6 +83,7 @@ HANDSHAKES = "vllm:qaic_kv_handshakes_total"
 DIRECT = "vllm:qaic_kv_direct_reads_total"
 EXPIRIES = "vllm:qaic_kv_lease_expiries_total"
 WAITING = "vllm:num_requests_waiting"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 def say(case: str, **fields: object) -> None:
@@ -242,6 +243,58 @@ def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
 
 # --- cases shared by both transports -----------------------------------------------------------
+
+
+def check_draft_model_handoff(c: Cluster) -> None:
+    """vLLM's ``draft_model`` speculative decoding with a draft of the target's exact KV
+    shapes and other weights (its KV is not the target's): its layer i ties with the
+    target's on index. A prefill and a decode run it, started with different
+    PYTHONHASHSEEDs (a set's order differs between them). Every handoff loads and answers
+    as the decode alone answers the same prompt, and greedy drafts are accepted as often.
+    Before, the decode read the draft's KV as the target's: 0 of 8 right, HTTP 200."""
+    draft = model_copy(c.run.dir / f"draft-{c.transport}", other_kv=True)
+    spec = json.dumps({"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+
+    def engine(name: str, core: str, role: str, seed: str) -> VllmServer:
+        kv = kv_config(role, c.run.engine_id(name), free_port(), c.transport)
+        return c.run.vllm(name, core, kv, extra_args=["--speculative-config", spec],
+                          extra_env={"PYTHONHASHSEED": seed})  # fmt: skip
+
+    prefill, decode = (
+        engine("draftp", "0", "kv_producer", "1"),
+        engine("draftd", "1", "kv_consumer", "2"),
+    )
+    wait_all_ready(prefill, decode)
+    try:
+        prompts = [p for p, _ in c.prompts(8)]
+
+        def accepted() -> float:
+            time.sleep(1.0)  # the last step's stats reach /metrics
+            return decode.metric(ACCEPTED, 0.0)
+
+        before = accepted()
+        alone = []  # the decode alone, salted: it shares no cached block with the handoffs
+        for prompt in prompts:
+            body = {**completion_body(prompt), "cache_salt": "alone"}
+            alone.append(requests.post(f"{decode.url}/v1/completions", json=body, timeout=60))
+        accepted_alone, loaded0 = accepted() - before, decode.metric(LOADED, 0.0)
+        for prompt, want in zip(prompts, alone, strict=True):
+            leg = completion_body(prompt, 1, ROUTER_PARAMS)
+            ticket = requests.post(f"{prefill.url}/v1/completions", json=leg, timeout=60)
+            leg = completion_body(prompt, params=ticket.json()["kv_transfer_params"])
+            r = requests.post(f"{decode.url}/v1/completions", json=leg, timeout=60)
+            assert r.status_code == 200 == want.status_code, r.text[:300]
+            assert r.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        accepted_handoffs = accepted() - before - accepted_alone
+        loaded, failed = decode.metric(LOADED, 0.0) - loaded0, decode.metric(LOAD_FAILURES, 0.0)
+        say("draft_model handoffs", loaded=loaded, load_failures=failed,
+            accepted_alone=accepted_alone, accepted_handoffs=accepted_handoffs)  # fmt: skip
+        assert (loaded, failed) == (8, 0)
+        assert accepted_alone > 0 and accepted_handoffs == accepted_alone
+    finally:
+        for server in (prefill, decode):
+            server.kill(signal.SIGTERM)
+            server.wait_gone(15)
 
 
 def check_happy_path(c: Cluster) -> None:
@@ -944,6 +997,9 @@ class TestShm:
             d.kill(signal.SIGTERM)
             d.wait_gone(15)
 
+    def test_r_a_draft_model_s_kv_keeps_its_place(self, shm_cluster: Cluster) -> None:
+        check_draft_model_handoff(shm_cluster)
+
     def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
         self, shm_cluster: Cluster
     ) -> None:
@@ -1147,6 +1203,9 @@ class TestNixl:
 
     def test_a_stale_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster)
+
+    def test_r_a_draft_model_s_kv_keeps_its_place(self, nixl_cluster: Cluster) -> None:
+        check_draft_model_handoff(nixl_cluster)
 
     def test_a_stale_direct_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster, direct=True)

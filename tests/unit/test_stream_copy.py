@@ -108,7 +108,7 @@ PAIRS = [(s, d) for s in sorted(LAYOUTS) for d in sorted(LAYOUTS)]
 def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     src_kind, dst_kind, monkeypatch
 ):
-    """Re-blocked (16 -> 8), shifted, a head range, shuffled blocks: the native row copies
+    """Re-blocked (32 -> 16), shifted, a head range, shuffled blocks: the native row copies
     and numpy's must leave identical caches; every pair must copy rows natively, and
     vllm_cpu's transposed K against any other layout as native transposes."""
     calls: list[layout.BlockRows] = []
@@ -124,8 +124,8 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
         tiles.append(t)
         copy_tiles(t, src, dst)
 
-    src_geo = KVGeometry(num_heads=4, head_size=64, block_size=16, dtype=torch.float16)
-    dst_geo = KVGeometry(num_heads=2, head_size=64, block_size=8, dtype=torch.float16)
+    src_geo = KVGeometry(num_heads=4, head_size=64, block_size=32, dtype=torch.float16)
+    dst_geo = KVGeometry(num_heads=2, head_size=64, block_size=16, dtype=torch.float16)
     src = get_layout(src_kind).allocate(8, src_geo)
     src.copy_(torch.randn(src.shape, generator=torch.Generator().manual_seed(3)))
     src_blocks, dst_blocks = [6, 1, 3, 7, 0], [11, 2, 3, 4, 5, 9, 0, 1, 13, 8, 14]
@@ -142,7 +142,8 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
         results.append(dst)
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
     assert results[0].any()
-    # rows of every pair go native (V's at least), none shorter than the floor
+    # rows of every pair go native (V's at least), none shorter than the floor; a packed
+    # side (amx) is copied through canonical blocks, which are not vec's transposed K
     assert calls and all(r.chunk >= layout.MIN_ROW_BYTES for r in calls)
     assert bool(tiles) == ((src_kind == "vllm_cpu_vec") != (dst_kind == "vllm_cpu_vec"))
 

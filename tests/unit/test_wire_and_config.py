@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 import time
 
 import msgspec
@@ -64,6 +67,49 @@ def test_layers_that_differ_name_the_speculative_drafter_as_a_cause():
     more than the prefill's, and the message must say what to change."""
     problem = incompatibility(rank_meta(num_layers=3), rank_meta(num_layers=2))
     assert problem is not None and "--speculative-config" in problem
+
+
+TARGET = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
+DRAFT = tuple(f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2))
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "drafters", "named"),
+    [
+        # the same layers in another order (a set's order, by hash seed): refused by name
+        ((DRAFT[0], TARGET[0], DRAFT[1], TARGET[1]), (TARGET[0], DRAFT[0], DRAFT[1], TARGET[1]),
+         ("draft_model:aa", "draft_model:aa"), "its layer 0 is 'model.layers.0.self_attn.attn'"),
+        # the same layers, another drafter's weights
+        ((*DRAFT, *TARGET), (*DRAFT, *TARGET), ("draft_model:aa", "draft_model:bb"),
+         "runs another speculative drafter: ours=draft_model:aa theirs=draft_model:bb"),
+        # a peer that does not name its layers (a QAIC decode) is held to the count alone
+        ((*DRAFT, *TARGET), (), ("", ""), None),
+    ],
+)  # fmt: skip
+def test_peers_compare_every_kv_layer_by_name_and_the_drafter(ours, theirs, drafters, named):
+    mine = rank_meta(num_layers=4, layers=ours, drafter=drafters[0])
+    problem = incompatibility(mine, rank_meta(num_layers=4, layers=theirs, drafter=drafters[1]))
+    assert problem == named if named is None else named in str(problem)
+    assert incompatibility(mine, mine) is None
+
+
+def test_layer_order_does_not_follow_the_hash_seed():
+    """Draft layer i ties with the target's on index: ordered by index alone (as before),
+    a set's order decides, and it differs between processes started with other
+    PYTHONHASHSEEDs; by index then name, never."""
+    code = (
+        "from vllm.model_executor.models.utils import extract_layer_index as i\n"
+        "from vllm_qaic_connector.kv.kv_groups import in_layer_order\n"
+        f"names = set({list(TARGET + DRAFT)!r})\n"
+        "print(in_layer_order(names), sorted(names, key=i))"
+    )
+    seen = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed}).stdout.splitlines()[-1]
+        for seed in ("1", "2")
+    }  # fmt: skip
+    ours, by_index = {x.split("] [")[0] for x in seen}, {x.split("] [")[1] for x in seen}
+    assert len(ours) == 1 and len(by_index) > 1, seen
 
 
 @pytest.mark.parametrize(

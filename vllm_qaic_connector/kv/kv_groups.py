@@ -9,7 +9,7 @@ it. A Mamba group moves one block per request, its recurrent state. The math is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -159,9 +159,14 @@ def layer_starts(
 
 
 def ordered_layers(groups: Sequence[KVGroup], state: bool = False) -> list[str]:
-    """Every attention layer (or with ``state``, every Mamba layer) by its index in the
-    model: the order both sides stage layers in."""
+    """Every attention layer (or with ``state``, every Mamba layer) `in_layer_order`."""
+    return in_layer_order(n for g in groups if bool(g.state_bytes) == state for n in g.layer_names)
+
+
+def in_layer_order(names: Iterable[str]) -> list[str]:
+    """The order both sides stage layers in: by index in the model, ties (a drafter's layer
+    i beside the target's) by full name; never a set's order, which follows each
+    process's string-hash seed."""
     from vllm.model_executor.models.utils import extract_layer_index
 
-    names = (n for g in groups if bool(g.state_bytes) == state for n in g.layer_names)
-    return sorted(names, key=extract_layer_index)
+    return sorted(names, key=lambda n: (extract_layer_index(n), n))

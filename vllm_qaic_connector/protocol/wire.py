@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 6: vLLM CPU's packings by name (5: vLLM 0.32's layout names)
+PROTOCOL_VERSION = 6  # 6: vLLM CPU's packings by name, layer names (5: vLLM 0.32's layouts)
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")
@@ -106,6 +106,10 @@ class RankMetadata(msgspec.Struct, frozen=True):
     cache: SharedCache | None = None  # where decodes may read our KV cache directly
     host: str = ""  # set where this rank reads peers' caches directly: `host_identity()`
     weights: str = ""  # the checkpoint's fingerprint; "": unknown, the names must match
+    # Every KV layer's name in vLLM (target's, drafter's), in the order staged KV holds
+    # them; empty where the peer does not say (a QAIC decode: its buffers are numbered).
+    layers: tuple[str, ...] = ()
+    drafter: str = ""  # the speculative drafter's method and weights fingerprint ("": none)
 
 
 COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_size")
@@ -151,6 +155,19 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
         if a != b:
             hint = DRAFTER_HINT if field == "num_layers" else ""
             return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}{hint}"
+    if mine.layers and theirs.layers and mine.layers != theirs.layers:
+        i = next(
+            i for i, (a, b) in enumerate(zip(mine.layers, theirs.layers, strict=True)) if a != b
+        )
+        return (
+            f"peer {theirs.engine_id!r} holds other KV layers: its layer {i} is "
+            f"{theirs.layers[i]!r}, ours {mine.layers[i]!r}{DRAFTER_HINT}"
+        )
+    if mine.drafter != theirs.drafter:
+        return (
+            f"peer {theirs.engine_id!r} runs another speculative drafter: ours="
+            f"{mine.drafter or 'none'} theirs={theirs.drafter or 'none'}{DRAFTER_HINT}"
+        )
     if mine.compat_hash != theirs.compat_hash:
         return (
             f"peer {theirs.engine_id!r} has a different compatibility hash: its sliding "

@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_spec, layer_groups, ordered_layers
+from vllm_qaic_connector.kv.kv_groups import (
+    KVGroup,
+    attention_spec,
+    in_layer_order,
+    layer_groups,
+    ordered_layers,
+)
 from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.kv.layout_probe import resolved_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
@@ -35,10 +41,10 @@ logger = get_logger(__name__)
 SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
 
 
-def weights_fingerprint(vllm_config: VllmConfig) -> str:
-    """The fingerprint of the checkpoint this engine loaded (model_weights.py); "" for
-    dummy weights or a checkpoint not on this host."""
-    model_cfg, load = vllm_config.model_config, vllm_config.load_config
+def weights_fingerprint(vllm_config: VllmConfig, model_cfg: Any = None) -> str:
+    """The fingerprint of the checkpoint this engine loaded (model_weights.py), or of
+    ``model_cfg``'s (a drafter's); "" for dummy weights or a checkpoint not on this host."""
+    model_cfg, load = model_cfg or vllm_config.model_config, vllm_config.load_config
     folder = checkpoint_folder(str(model_cfg.model), model_cfg.revision, load.download_dir)
     if folder is None or load.load_format == "dummy":
         return ""
@@ -50,6 +56,16 @@ def weights_fingerprint(vllm_config: VllmConfig) -> str:
         fingerprint or "(no weights files)", folder, 1e3 * (time.monotonic() - started),
     )  # fmt: skip
     return fingerprint
+
+
+def drafter_of(vllm_config: VllmConfig) -> str:
+    """The speculative drafter whose KV layers this engine keeps: its method and weights
+    ("": none, or one that keeps no KV, such as n-gram lookup)."""
+    spec = vllm_config.speculative_config
+    draft = getattr(spec, "draft_model_config", None)
+    if spec is None or draft is None:
+        return ""
+    return f"{spec.method}:{weights_fingerprint(vllm_config, draft) or draft.model}"
 
 
 def rank_of(
@@ -71,6 +87,7 @@ def rank_of(
         model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
         weights=weights_fingerprint(vllm_config),
         produces=bool(ktc.is_kv_producer),
+        drafter=drafter_of(vllm_config),
         ssm_groups=next(
             (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
         ),
@@ -96,10 +113,8 @@ def local_cache(
 ) -> LocalCache:
     """The registered caches in layer order, their layout (``layout``, else the one vLLM
     resolved, ``layout_name``) and, for Mamba layers, their recurrent state."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
     state_names = ordered_layers(groups, state=True)
-    names = sorted(set(kv_caches) - set(state_names), key=extract_layer_index)
+    names = in_layer_order(set(kv_caches) - set(state_names))
     tensors = [kv_caches[n] for n in names]
     layout = layout or resolved_layout(layout_name, geometry, verify_cpu_layout)
     for name, t in zip(names, tensors, strict=True):  # a cache we cannot read: say so
@@ -125,7 +140,7 @@ def local_cache(
         )
     return LocalCache(
         layout, geometry, [layout.kv_views(t, geometry) for t in tensors], tensors,
-        layer_groups(groups, names), state,
+        layer_groups(groups, names), state, tuple(names),
     )  # fmt: skip
 
 
@@ -176,4 +191,6 @@ def rank_metadata(
         incarnation=incarnation,
         cache=shared,
         host=host,
+        layers=cache.names,
+        drafter=identity.drafter,
     )

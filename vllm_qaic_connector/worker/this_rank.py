@@ -25,6 +25,7 @@ class RankIdentity:
     weights: str = ""  # model_weights.checkpoint_fingerprint ("": none on this host)
     produces: bool = True  # stages KV for others (kv_producer, kv_both)
     ssm_groups: int | None = None  # Mamba2's B/C groups in the model (None: unknown)
+    drafter: str = ""  # the speculative drafter's method and weights ("": none)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class LocalCache:
     tensors: list[torch.Tensor]  # physical, as vLLM registered them
     layer_groups: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
     state: RecurrentState | None = None  # Mamba layers' state, if the model has any
+    names: tuple[str, ...] = ()  # each layer's name in vLLM, in the order peers share
 
     @property
     def device(self) -> torch.device:
