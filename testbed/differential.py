@@ -1,0 +1,166 @@
+"""The proxy against vLLM itself over the requests clients send: a seeded generator draws
+completions, chat and Responses requests over the parameters users choose (logprobs and
+top_logprobs including 0, echo, max_tokens absent/null/1/small, min_tokens, stop strings and
+ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, n, seeded sampling,
+streams with usage, token-id prompts, prompt lists), sends each through the proxy and to the
+prefill alone (vLLM aggregated, salted away from the handoffs' cached blocks), and compares
+whole answers: text, token ids, logprobs, finish reasons, usage, a refusal's status and body;
+not ids or clocks. A server fleet with a generation-config token cap runs the same.
+
+    python -m testbed.differential --requests 500 --seed 1   # make differential
+
+Prints each difference (the request, both answers) and exits non-zero on any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import requests
+
+from testbed.live_servers import LiveRun, Server, VllmServer, copy_prompts, kv_config
+from testbed.live_servers import free_port, token_ids, wait_all_ready
+from testbed.proxy_clients import _answer, _api_answer
+
+Request = tuple[str, dict[str, Any]]
+CAP = 5  # the capped fleet's --override-generation-config max_new_tokens
+
+
+def maybe(rng: random.Random, p: float = 0.5) -> bool:
+    return rng.random() < p
+
+
+def draw(rng: random.Random, prompt: str, answer: str, ids: list[int]) -> Request:
+    """One request over the space clients choose from; ``answer`` is the prompt's expected
+    answer (stop strings that do occur come from it), ``ids`` its token ids."""
+    words = answer.split()
+    body: dict[str, Any] = {"model": "model"}
+    path = rng.choice(["/v1/completions"] * 3 + ["/v1/chat/completions"] * 2 + ["/v1/responses"])
+    if path == "/v1/responses":
+        body["input"] = prompt
+        if maybe(rng, 0.7):
+            body["max_output_tokens"] = rng.choice([1, 2, 4, 8, 12])
+        body["temperature"] = 0.0
+        body["stream"] = maybe(rng)
+        return path, body
+    chat = path == "/v1/chat/completions"
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = rng.choice([prompt, prompt, ids, [prompt, prompt + " s1"]])
+    limit = rng.choice(["absent", "null", 1, 2, 3, 6, 12])
+    key = rng.choice(["max_tokens", "max_completion_tokens"]) if chat else "max_tokens"
+    if limit != "absent":
+        body[key] = None if limit == "null" else limit
+    bounded = isinstance(limit, int) or not chat  # completions: vLLM's default 16
+    if maybe(rng, 0.3):
+        body["min_tokens"] = rng.choice([0, 1, 3])
+    if maybe(rng, 0.35):
+        if chat:
+            body["logprobs"] = True
+            body["top_logprobs"] = rng.choice([0, 1, 3])
+        else:
+            body["logprobs"] = rng.choice([0, 0, 1, 3])
+    if not chat and maybe(rng, 0.15):
+        body["echo"] = True
+    if words and maybe(rng, 0.3):
+        body["stop"] = rng.choice([[rng.choice(words)], rng.choice(words), ["]"], []])
+        if maybe(rng):
+            body["include_stop_str_in_output"] = maybe(rng)
+    if maybe(rng, 0.15):
+        body["stop_token_ids"] = [rng.choice(ids[-6:])]
+    if bounded and maybe(rng, 0.15):
+        body["ignore_eos"] = True
+    if maybe(rng, 0.15):
+        body["skip_special_tokens"] = maybe(rng)
+    if maybe(rng, 0.3):
+        body["temperature"], body["seed"] = rng.choice([0.5, 1.0]), rng.randrange(1000)
+        if maybe(rng, 0.4):
+            body["n"] = rng.choice([2, 3])
+    else:
+        body["temperature"] = 0.0
+    if maybe(rng, 0.4):
+        body["stream"] = True
+        if maybe(rng, 0.6):
+            body["stream_options"] = {"include_usage": True}
+            if maybe(rng, 0.3):
+                body["stream_options"]["continuous_usage_stats"] = True
+    if not chat and maybe(rng, 0.2):
+        body["return_token_ids"] = True
+    return path, body
+
+
+def requests_of(rng: random.Random, n: int, url: str, label: str) -> Iterator[Request]:
+    """``n`` requests, each on a fresh prompt (no prefix-cache hit between them)."""
+    for prompt, answer in copy_prompts(n, f"{label}-{rng.randrange(1 << 30)}"):
+        yield draw(rng, prompt, answer, token_ids(url, prompt))
+
+
+def answer(url: str, path: str, body: dict[str, Any]) -> Any:
+    """vLLM's answer without what differs every time, or a refusal's status and body."""
+    try:
+        return (_api_answer if path == "/v1/responses" else _answer)(url, path, body)
+    except AssertionError:  # not 200: the refusal itself is the answer to compare
+        r = requests.post(url + path, json=body, timeout=120)
+        return {"status": r.status_code, "body": r.text}
+
+
+def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
+            say: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
+    """Every request through the proxy and to the prefill alone; the differences."""
+    differences = []
+    for i, (path, body) in enumerate(reqs, 1):
+        got = answer(proxy.url, path, body)
+        want = answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
+        if got != want:
+            differences.append({"path": path, "body": body, "proxy": got, "vllm": want})
+            say(f"DIFFERENT {path} {json.dumps(body)}\n  proxy {got}\n  vLLM  {want}")
+        if i % 25 == 0:
+            say(f"{i} compared, {len(differences)} different")
+    return differences
+
+
+def fleet(run: LiveRun, label: str, cores: tuple[str, str], extra: list[str]) -> tuple:
+    """A prefill, a decode and the proxy in front, the engines started with ``extra``."""
+    kv = {role: kv_config(role, run.engine_id(label + role[3]), free_port())
+          for role in ("kv_producer", "kv_consumer")}  # fmt: skip
+    prefill = run.vllm(f"{label}p", cores[0], kv["kv_producer"], extra_args=extra)
+    decode = run.vllm(f"{label}d", cores[1], kv["kv_consumer"], extra_args=extra)
+    return prefill, decode
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=500, help="per fleet")
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args(argv)
+    return 1 if run_differential(a.requests, a.seed, print) else 0
+
+
+def run_differential(n: int, seed: int, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Both fleets (vLLM's defaults; a generation-config cap), ``n`` requests each."""
+    cap = ["--override-generation-config", json.dumps({"max_new_tokens": CAP})]
+    differences: list[dict[str, Any]] = []
+    with LiveRun("differential") as run:
+        fleets = {"plain": fleet(run, "plain", ("0", "1"), []),
+                  "capped": fleet(run, "capped", ("0", "1"), cap)}  # fmt: skip
+        wait_all_ready(*(s for f in fleets.values() for s in f))
+        for name, (prefill, decode) in fleets.items():
+            proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
+            wait_all_ready(proxy)
+            rng = random.Random(f"{seed}-{name}")
+            say(f"[differential] fleet {name}: {n} requests, seed {seed}")
+            found = compare(proxy, prefill, requests_of(rng, n, prefill.url, name), say)
+            say(f"[differential] fleet {name}: {n} compared, {len(found)} different")
+            differences += found
+    return differences
+
+
+if __name__ == "__main__":
+    sys.exit(main())
