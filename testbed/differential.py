@@ -24,8 +24,16 @@ from typing import Any
 
 import requests
 
-from testbed.live_servers import LiveRun, Server, VllmServer, copy_prompts, kv_config
-from testbed.live_servers import free_port, token_ids, wait_all_ready
+from testbed.live_servers import (
+    LiveRun,
+    Server,
+    VllmServer,
+    copy_prompts,
+    free_port,
+    kv_config,
+    token_ids,
+    wait_all_ready,
+)
 from testbed.proxy_clients import _answer, _api_answer
 
 Request = tuple[str, dict[str, Any]]
