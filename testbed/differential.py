@@ -34,7 +34,7 @@ from testbed.live_servers import (
     token_ids,
     wait_all_ready,
 )
-from testbed.proxy_clients import _answer, _api_answer
+from testbed.proxy_clients import CHAT_TEMPLATE, _answer, _api_answer
 
 Request = tuple[str, dict[str, Any]]
 CAP = 5  # the capped fleet's --override-generation-config max_new_tokens
@@ -116,7 +116,29 @@ def answer(url: str, path: str, body: dict[str, Any]) -> Any:
         return (_api_answer if path == "/v1/responses" else _answer)(url, path, body)
     except AssertionError:  # not 200: the refusal itself is the answer to compare
         r = requests.post(url + path, json=body, timeout=120)
-        return {"status": r.status_code, "body": r.text}
+        try:
+            return {"status": r.status_code, "body": r.json()}
+        except ValueError:
+            return {"status": r.status_code, "body": r.text}
+
+
+def difference(a: Any, b: Any, at: str = "") -> str | None:
+    """Where ``a`` and ``b`` first differ, and how, shortly; None where they are equal."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if (d := difference(a.get(k), b.get(k), f"{at}.{k}")) is not None:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return next((d for i, (x, y) in enumerate(zip(a, b, strict=True))
+                     if (d := difference(x, y, f"{at}[{i}]")) is not None), None)  # fmt: skip
+    return None if a == b else f"{at or '.'}: proxy {str(a)[:160]!r} vLLM {str(b)[:160]!r}"
+
+
+def shown(body: dict[str, Any]) -> str:
+    """A request without its prompt's text (long, and the seed makes it again)."""
+    short = {k: v for k, v in body.items() if k not in ("prompt", "messages", "input")}
+    return json.dumps(short)
 
 
 def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
@@ -126,9 +148,9 @@ def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
     for i, (path, body) in enumerate(reqs, 1):
         got = answer(proxy.url, path, body)
         want = answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
-        if got != want:
+        if (where := difference(got, want)) is not None:
             differences.append({"path": path, "body": body, "proxy": got, "vllm": want})
-            say(f"DIFFERENT {path} {json.dumps(body)}\n  proxy {got}\n  vLLM  {want}")
+            say(f"DIFFERENT {path} {shown(body)}\n  {where}")
         if i % 25 == 0:
             say(f"{i} compared, {len(differences)} different")
     return differences
@@ -153,10 +175,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_differential(n: int, seed: int, say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Both fleets (vLLM's defaults; a generation-config cap), ``n`` requests each."""
-    cap = ["--override-generation-config", json.dumps({"max_new_tokens": CAP})]
+    chat = ["--chat-template", CHAT_TEMPLATE]  # the model has none: the text as it is
+    cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP})]
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
-        fleets = {"plain": fleet(run, "plain", ("0", "1"), []),
+        fleets = {"plain": fleet(run, "plain", ("0", "1"), chat),
                   "capped": fleet(run, "capped", ("0", "1"), cap)}  # fmt: skip
         wait_all_ready(*(s for f in fleets.values() for s in f))
         for name, (prefill, decode) in fleets.items():
