@@ -53,6 +53,7 @@ def make_vllm_config(
     max_batched: int = 1024,
     dp_index: int = 0,
     prefix_caching: bool = True,
+    max_num_seqs: int = 16,
 ) -> VllmConfig:
     """``dp_index``: the data-parallel rank this engine is (vLLM sets it per DP engine)."""
     vllm_qaic_connector.register()
@@ -60,7 +61,7 @@ def make_vllm_config(
         model_config=ModelConfig(model=MODEL, max_model_len=1024, seed=0, dtype="float32"),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_batched,
             max_model_len=1024,
             is_encoder_decoder=False,

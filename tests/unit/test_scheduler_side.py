@@ -484,6 +484,38 @@ def test_leases_renewed_while_the_decode_wants_the_kv(decode):
         sched.connector.shutdown()
 
 
+def test_a_queued_request_s_lease_is_renewed_from_its_arrival():
+    """A decode busy at --max-num-seqs 1: vLLM looks at a queued request (and asks the
+    connector) only when a seat frees, so renewals that began there let a 0.6 s lease run
+    out while it queued (HTTP 502 under vLLM's default policy, or a recompute). They
+    begin when the request arrives: after 2 s in the queue its KV is still staged and
+    loads."""
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 0.6})
+    side = sched.connector.scheduler
+    side.set_rank_metadata([rank_meta()])
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec", max_num_seqs=1)
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        params = params_of(step(sched)[1], "p1")
+        decode.add_request(make_request("busy", 20, max_tokens=1000, first=90))
+        step(decode)
+        decode.add_request(make_request("d1", 45, params, max_tokens=3))
+        for _ in range(20):  # the busy request runs; d1 waits for its seat
+            out, _ = step(decode)
+            assert "d1" not in out.num_scheduled_tokens and not meta(out).loads
+            time.sleep(0.1)
+        side.pool.expire()
+        assert side.pool.has("p1"), "the lease ran out while the request queued"
+        decode.finish_requests("busy", RequestStatus.FINISHED_ABORTED)
+        out, _ = step(decode)
+        [load] = meta(out).loads
+        assert load.request_id == "d1" and load.error is None
+        assert load.holds_until > params["expires_at"] + 1.0  # renewed while it queued
+    finally:
+        decode.connector.shutdown()
+        sched.connector.shutdown()
+
+
 def signed_pair(monkeypatch, key: str):
     monkeypatch.setenv(KEY_ENV, key)
     sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})

@@ -358,14 +358,16 @@ def ticket_mac(params: RemotePrefill, key: bytes) -> str:
     return _mac(key, b"ticket", _encoder.encode(unsigned)).hex()
 
 
-def ticket_problem(params: RemotePrefill, key: bytes | None) -> str | None:
+def ticket_problem(
+    params: RemotePrefill, key: bytes | None, renewed_until: float = 0.0
+) -> str | None:
     """Why a decode must not use these params (a missing or wrong MAC, or an expired
-    lease), or None."""
+    lease, unless the prefill confirmed renewals until ``renewed_until``), or None."""
     if key is not None and not params.ticket_mac:
         return "ticket_mac is missing: this decode only accepts signed kv_transfer_params"
     if key is not None and not hmac.compare_digest(params.ticket_mac, ticket_mac(params, key)):
         return "ticket_mac does not match: the kv_transfer_params were forged or edited"
-    late = time.time() - params.expires_at
+    late = time.time() - max(params.expires_at, renewed_until)
     if late > 0:
         return f"the ticket expired {late:.1f}s ago (lease_s={params.lease_s})"
     return None

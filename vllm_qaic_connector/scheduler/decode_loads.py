@@ -42,6 +42,19 @@ class DecodeLoads:
         self._loading: set[str] = set()  # handed to the worker, not yet reported done
         self.tickets = SharedTickets(prefix_caching)
 
+    def arrived(self, request: Request) -> None:
+        """vLLM's ``on_new_request``: a ticket that checks out is renewed from now on, for
+        however long the request queues (vLLM asks `claim` only once it looks at the
+        request: a busy decode's queue outlasted leases). `claim` checks it all again."""
+        if request_ids.later_prompt_of_a_list(request.request_id):
+            return  # the first prompt's ticket: computed here, never read
+        try:
+            remote = parse_remote_prefill(request.kv_transfer_params or {})
+        except ValueError:
+            return
+        if ticket_problem(remote, self._key) is None:
+            self.renewer.want(request.request_id, remote)
+
     def claim(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
         if position := request_ids.later_prompt_of_a_list(request.request_id):
@@ -60,7 +73,8 @@ class DecodeLoads:
                 raise ValueError(f"the prefill could not hand the KV off: {failed}")
             parsed = parse_remote_prefill(request.kv_transfer_params or {})
             num_tokens = parsed.num_tokens
-            unusable = ticket_problem(parsed, self._key)
+            held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
+            unusable = ticket_problem(parsed, self._key, held)
             if unusable:  # before anything else: an unsigned peer address is not contacted
                 raise ValueError(unusable)
             if num_tokens > len(prompt):

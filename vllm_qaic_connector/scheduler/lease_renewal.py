@@ -38,8 +38,9 @@ class LeaseRenewer:
 
     def want(self, request_id: str, remote: RemotePrefill) -> None:
         with self._lock:
-            self._wanted[request_id] = remote
-            self._holds_until[request_id] = remote.expires_at
+            self._wanted[request_id] = remote  # again at claim: renewals already taken hold
+            self._holds_until[request_id] = max(self._holds_until.get(request_id, 0.0),
+                                                remote.expires_at)  # fmt: skip
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="qaic-lease-renewal", daemon=True
@@ -59,11 +60,16 @@ class LeaseRenewer:
     def release(self, request_id: str) -> None:
         """The request is gone before its KV was read (aborted, dropped): the prefill frees
         its staging now, not at the lease's end (in the background: never the scheduler's
-        wait)."""
+        wait), unless another request here still wants the same ticket."""
         with self._lock:
             remote = self._wanted.pop(request_id, None)
             self._holds_until.pop(request_id, None)
-        if remote is not None:
+            others = {(r.remote_host, r.remote_port, r.remote_request_id)
+                      for r in self._wanted.values()}  # fmt: skip
+        if (
+            remote is not None
+            and (remote.remote_host, remote.remote_port, remote.remote_request_id) not in others
+        ):  # a sibling (n > 1) that shares the ticket still wants it
             msg = ReleaseRequest([remote.remote_request_id])
             args = (remote.remote_host, remote.remote_port, msg, self._timeout_s)
             threading.Thread(target=self._send, args=args, daemon=True).start()

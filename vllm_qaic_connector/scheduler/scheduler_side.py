@@ -120,9 +120,12 @@ class SchedulerSide:
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def on_new_request(self, request: Request) -> None:
-        """A prefill for a model with Mamba layers stops one token short: the decode needs
-        the state before the last prompt token, and recomputes that token from it."""
+        """A decode renews a ticket's lease from the request's arrival. A prefill for a
+        model with Mamba layers stops one token short: the decode needs the state before
+        the last prompt token, and recomputes that token from it."""
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self.loads.arrived(request)
         if not (self.is_producer and has_state(self.groups) and params):
             return
         if params.get("do_remote_decode") and request.num_prompt_tokens > 1:
