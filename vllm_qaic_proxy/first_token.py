@@ -82,7 +82,7 @@ class FirstToken:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finished: bool  # the whole answer: a stop, or a limit of one token
-    limit: int | None  # the answer's most tokens, as vLLM bounds it (None: the context)
+    limit: int  # the answer's most tokens, as vLLM bounds it (the context apart)
 
     @classmethod
     def of(
@@ -106,7 +106,7 @@ class FirstToken:
         if staged != len(prompt_ids):  # a recurrent state: the decode scans the last one
             return None
         limit = answer_limit(body, ticket)
-        finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        finished = choice.get("finish_reason") == "stop" or limit <= 1
         finished |= context is not None and len(prompt_ids) + 1 >= context
         text = choice.get("text") or ""
         if not finished and (not text or UNSURE_TEXT in text):
@@ -123,7 +123,7 @@ class FirstToken:
         out = {k: v for k, v in body.items() if k != "truncate_prompt_tokens"}
         out.update(
             prompt=self.prompt_token_ids + self.token_ids,
-            max_tokens=None if self.limit is None else self.limit - 1,
+            max_tokens=self.limit - 1,
             request_id=self.answer["id"].removeprefix("cmpl-"),  # its events: the same id
             kv_transfer_params=params,
         )
@@ -165,15 +165,13 @@ class FirstToken:
         return data + b"data: [DONE]\n\n" if self.finished else data
 
 
-def answer_limit(body: dict[str, Any], ticket: RemotePrefill) -> int | None:
-    """The most tokens vLLM answers ``body`` with, the context apart (``get_max_tokens``):
-    the client's max_tokens (vLLM's completions default where absent), the server's
-    default where the client sends null, never past the server's cap (both in the ticket:
-    the prefill's generation config)."""
-    asked = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-    bounds = [b for b in (asked if asked is not None else ticket.default_max_tokens,
-                          ticket.max_tokens_cap) if b is not None]  # fmt: skip
-    return min(bounds) if bounds else None
+def answer_limit(body: dict[str, Any], ticket: RemotePrefill) -> int:
+    """The most tokens vLLM answers a completion with, the context apart (its
+    ``get_max_tokens``): the client's max_tokens (absent or null: 16, vLLM's completions
+    default), never past the server's generation-config cap (the prefill's, in its ticket)."""
+    asked = body.get("max_tokens")
+    asked = DEFAULT_MAX_TOKENS if asked is None else asked
+    return asked if ticket.max_tokens_cap is None else min(asked, ticket.max_tokens_cap)
 
 
 def event(payload: dict[str, Any]) -> bytes:

@@ -336,9 +336,8 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     # Set: nothing was staged; read these blocks of the prefill's KV cache (its
     # `SharedCache`), which it holds until the region at ``staging_offset`` is released.
     block_ids: tuple[int, ...] = ()
-    # The prefill server's answer-length defaults (its generation config), for a router
+    # The prefill server's cap on an answer's tokens (its generation config), for a router
     # that gives the client the prefill's token: None where there is none.
-    default_max_tokens: int | None = None
     max_tokens_cap: int | None = None
     ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
 

@@ -89,22 +89,20 @@ class PrefillEngine:
     geometry: KVGeometry
     num_blocks: int  # in its KV cache
     port: int  # its side channel's, named in tickets
-    # What the server's generation config does to an answer's length (`answer_limits`).
-    default_max_tokens: int | None = None
+    # The server's cap on an answer's tokens (its generation config; `answer_cap`).
     max_tokens_cap: int | None = None
 
 
-def answer_limits(model_config: Any) -> tuple[int | None, int | None]:
-    """How vLLM's OpenAI server bounds an answer besides the client's max_tokens
-    (``get_max_tokens``): the generation config's max_new_tokens is the default where a
-    client sends none, and a cap where --override-generation-config sets it (or where the
-    generation config is not vLLM's or the model's own). A router that hands the first
-    token to the client needs both to end the answer where vLLM would."""
-    default = model_config.get_diff_sampling_param().get("max_tokens")
+def answer_cap(model_config: Any) -> int | None:
+    """What vLLM's OpenAI server caps an answer at whatever the client asks (the
+    ``override_max_tokens`` of its ``get_max_tokens``): max_new_tokens of
+    --override-generation-config, or of a generation config that is neither vLLM's nor
+    the model's own. A router that hands the client the prefill's token needs it to end
+    the answer where vLLM would."""
     if model_config.generation_config not in ("auto", "vllm"):
-        return default, default
+        return model_config.get_diff_sampling_param().get("max_tokens")
     override = getattr(model_config, "override_generation_config", None) or {}
-    return default, override.get("max_new_tokens")
+    return override.get("max_new_tokens")
 
 
 class PrefillHandoffs:
@@ -358,7 +356,6 @@ class PrefillHandoffs:
             expires_at=round(time.time() + self.pool.expires_in(request.request_id), 3),
             group_starts=spec.starts if any(spec.starts) else (),
             block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
-            default_max_tokens=self.engine.default_max_tokens,
             max_tokens_cap=self.engine.max_tokens_cap,
         )
         if (key := self.cfg.shared_key) is not None:

@@ -28,7 +28,7 @@ from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
 from vllm_qaic_connector.scheduler.prefill_handoffs import (
     PrefillEngine,
     PrefillHandoffs,
-    answer_limits,
+    answer_cap,
 )
 from vllm_qaic_connector.scheduler.staging import StagingPool
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
@@ -78,7 +78,7 @@ class SchedulerSide:
         self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, self._key)
         engine = PrefillEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port,
-            *answer_limits(vllm_config.model_config),
+            answer_cap(vllm_config.model_config),
         )  # fmt: skip
         self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
         if self._key is None and not is_loopback(cfg.side_channel_host):
