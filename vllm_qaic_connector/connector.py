@@ -49,6 +49,11 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
                 "V3, Kimi-K2): its KV cache holds one latent per token, not the per-head K and V "
                 "this connector stages and converts. Serve such models with NixlConnector."
             )
+        if (pp := vllm_config.parallel_config.pipeline_parallel_size) > 1:
+            raise ValueError(  # each half, as vLLM makes it (no earlier hook in vLLM 0.32)
+                f"QAICConnector does not support pipeline parallelism (--pipeline-parallel-size "
+                f"{pp}): each stage holds part of the layers; use tensor or data parallelism"
+            )
         extra = self._kv_transfer_config.kv_connector_extra_config
         cfg = sized_staging(parse_config(extra), vllm_config, kv_cache_config)
         self.scheduler: SchedulerSide | None = None

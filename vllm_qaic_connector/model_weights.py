@@ -31,11 +31,18 @@ FILE_SAMPLES, FILE_SAMPLE = 64, 4096  # for files that are not safetensors
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")  # HF config spellings
 
 
-def kv_settings(quantization: str | None, hf_config: Any) -> str:
-    """What besides the files changes the KV: the quantization, and RoPE (which
-    ``hf_overrides`` can change)."""
+def kv_settings(quantization: str | None, hf_config: Any, max_model_len: int = 0) -> str:
+    """What besides the files changes the KV: the quantization, RoPE (which
+    ``hf_overrides`` can change) and, for LongRoPE (Phi-3 and kin), whether vLLM applies
+    its long factors, which it does where max_model_len passes the original context."""
     rope = {k: getattr(hf_config, k, None) for k in ROPE_KEYS}
-    return json.dumps([quantization, rope], sort_keys=True, default=str)
+    settings: list[Any] = [quantization, rope]
+    for params in (p for p in rope.values() if isinstance(p, dict)):
+        if "longrope" in (params.get("rope_type"), params.get("type")):
+            key = "original_max_position_embeddings"
+            original = params.get(key) or getattr(hf_config, key, None) or 0
+            settings.append({"long_factors": max_model_len > int(original)})
+    return json.dumps(settings, sort_keys=True, default=str)
 
 
 def sample_offsets(start: int, end: int, count: int, size: int) -> list[int]:

@@ -120,3 +120,17 @@ def test_a_lora_adapter_is_told_by_its_files_not_its_name(tmp_path):
 def test_an_adapter_whose_files_are_not_here_is_told_by_its_name(tmp_path):
     assert adapter_fingerprint(lora("support", tmp_path / "absent")) == "name:support"
     assert adapter_fingerprint(lora("support", "")) == "name:support"
+
+
+def test_longrope_kv_depends_on_max_model_len_past_the_original_context():
+    """vLLM's LongRoPE (Phi-3 and kin) applies its long factors where max_model_len passes
+    the original context, so two engines on one checkpoint with 4k and 128k contexts
+    compute other KV; for plain RoPE max_model_len changes nothing."""
+    longrope = SimpleNamespace(rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 4096,
+        "short_factor": [1.0], "long_factor": [2.0],
+    })  # fmt: skip
+    assert kv_settings(None, longrope, 4096) != kv_settings(None, longrope, 131072)
+    assert kv_settings(None, longrope, 131072) == kv_settings(None, longrope, 65536)
+    plain = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    assert kv_settings(None, plain, 4096) == kv_settings(None, plain, 131072)

@@ -33,6 +33,17 @@ def test_a_model_with_multi_head_latent_attention_is_refused_by_name(tmp_path_fa
             QAICConnector(config, role, make_kv_cache_config(16))
 
 
+def test_pipeline_parallelism_is_refused_by_name():
+    """Each stage holds part of the layers. Both halves refuse it where vLLM makes them
+    (vLLM 0.32 offers a connector no earlier hook: they are made once the weights are
+    loaded), naming the flag and what to use instead."""
+    config = make_vllm_config("kv_consumer")
+    config.parallel_config.pipeline_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="pipeline parallelism .*--pipeline-parallel-size 2"):
+            QAICConnector(config, role, make_kv_cache_config(16))
+
+
 def test_a_cache_of_another_shape_names_its_layer_and_shape():
     """An MLA layer's cache as vLLM builds it ([blocks, 1, tokens, latent]) read as K and V
     of the geometry its spec states."""

@@ -49,7 +49,9 @@ def weights_fingerprint(vllm_config: VllmConfig, model_cfg: Any = None) -> str:
     if folder is None or load.load_format == "dummy":
         return ""
     started = time.monotonic()
-    settings = kv_settings(model_cfg.quantization, model_cfg.hf_text_config)
+    settings = kv_settings(
+        model_cfg.quantization, model_cfg.hf_text_config, model_cfg.max_model_len
+    )
     fingerprint = checkpoint_fingerprint(folder, settings)
     logger.info(
         "QAICConnector: weights fingerprint %s of %s (%.0f ms)",
