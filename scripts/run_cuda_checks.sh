@@ -23,7 +23,7 @@ python3 -m pytest -m cuda -q -p no:cacheprovider -n "${JOBS:-8}" tests/integrati
   tee "$out/pytest-cuda.log"
 status=${PIPESTATUS[0]}
 nixl_paths=$(python3 -c 'import nixl' 2>/dev/null && echo nixl-staged nixl)
-python3 -m vllm_qaic_connector.bench --device cuda --dtype bfloat16 --paths shm-staged \
+python3 -m testbed.handoff_bench --device cuda --dtype bfloat16 --paths shm-staged \
   shm-reblock $nixl_paths --tokens ${TOKENS:-1024 4096 16384} --json "$out/bench-cuda.json" 2>&1 |
   tee "$out/bench-cuda.log"
 exit $(( status || PIPESTATUS[0] ))

@@ -5,7 +5,8 @@ ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, n, seeded samp
 streams with usage, token-id prompts, prompt lists), sends each through the proxy and to the
 prefill alone (vLLM aggregated, salted away from the handoffs' cached blocks), and compares
 whole answers: text, token ids, logprobs, finish reasons, usage, a refusal's status and body;
-not ids or clocks. A server fleet with a generation-config token cap runs the same.
+not ids or clocks. A second fleet, with a generation-config token cap and no prefix
+caching, runs the same.
 
     python -m testbed.differential --requests 500 --seed 1   # make differential
 
@@ -181,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
 def run_differential(n: int, seed: int, say: Callable[[str], None]) -> list[dict[str, Any]]:
     """Both fleets (vLLM's defaults; a generation-config cap), ``n`` requests each."""
     chat = ["--chat-template", CHAT_TEMPLATE]  # the model has none: the text as it is
-    cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP})]
+    # The capped fleet also runs without prefix caching (n > 1 siblings then share no block).
+    cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP}),
+           "--no-enable-prefix-caching"]  # fmt: skip
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
         fleets = {"plain": fleet(run, "plain", ("0", "1"), chat),

@@ -1,4 +1,4 @@
-"""The benchmark CLI (`python -m vllm_qaic_connector.bench`) in a tiny configuration: its rows
+"""The benchmark CLI (`python -m testbed.handoff_bench`) in a tiny configuration: its rows
 add up, a wrong byte on any path fails the run, and no shm segment outlives it."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from testbed import handoff_bench as bench
 from testbed.model import ROOT
 from testbed.shm import segments
-from vllm_qaic_connector import bench
 from vllm_qaic_connector.kv import copy_pool
 from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.worker import direct_reads
@@ -30,7 +30,7 @@ LABELS = [bench.PATHS[k].label for k in KEYS]
 
 
 def start(*args: str) -> subprocess.Popen[str]:
-    cmd = [sys.executable, "-m", "vllm_qaic_connector.bench", *TINY, *args]
+    cmd = [sys.executable, "-m", "testbed.handoff_bench", *TINY, *args]
     return subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

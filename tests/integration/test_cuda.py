@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from testbed import handoff_bench as bench
 from testbed.rank_worker import (
     LAYERS,
     VLLM_LAYOUTS,
@@ -17,7 +18,6 @@ from testbed.rank_worker import (
     make_worker,
     run_handoff,
 )
-from vllm_qaic_connector import bench
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
 from vllm_qaic_connector.kv.layout import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec

@@ -4,7 +4,7 @@
  * caching the destination only costs bandwidth: an ordinary copy first reads every
  * destination line it writes. Streaming stores skip that read, and walking four ranges
  * at once keeps more loads in flight; together they copy shuffled 32 KiB-256 KiB blocks
- * about 1.5x faster than memcpy per block (see `python -m vllm_qaic_connector.bench`).
+ * about 1.5x faster than memcpy per block (see `python -m testbed.handoff_bench`).
  * Without SSE2 this is memcpy per range.
  */
 #define PY_SSIZE_T_CLEAN

@@ -15,7 +15,7 @@ event fd (notified reads ~0.1 ms on a quiet machine) and idles at ~0.05% of a co
 Copy threads: on one host UCX moves the bytes with ``process_vm_readv`` (``cma``) on the
 thread that posts the READ, ~5 GB/s. Where the process may use two cores, UCX's thread-pool
 engine (``num_threads``) splits a READ of `SPLIT_DESCRIPTORS` or more descriptors between
-two threads with their own workers (~7 GB/s; `python -m vllm_qaic_connector.bench`), and a
+two threads with their own workers (~7 GB/s; `python -m testbed.handoff_bench`), and a
 large staged read goes as `PIECE`-sized descriptors so that it splits too. The notification
 still follows the last byte: UCX sends it once every part is done.
 """

@@ -1,6 +1,6 @@
 """KV handoff throughput of the connector's own code paths, each next to memcpy of its bytes.
 
-    .venv/bin/python -m vllm_qaic_connector.bench --quick --json rows.json --plot rows.png
+    .venv/bin/python -m testbed.handoff_bench --quick --json rows.json --plot rows.png
 
 A handoff moves a prompt's KV (random bytes in shuffled blocks) from a prefill's KV cache to
 a decode's as the worker does: save (`copy_layers` into staging under a ticket header, the
@@ -358,7 +358,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         for k, p in PATHS.items()
     )
     p = argparse.ArgumentParser(
-        "python -m vllm_qaic_connector.bench", description=__doc__, epilog=epilog,
+        "python -m testbed.handoff_bench", description=__doc__, epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--quick", action="store_true", help=f"tokens {QUICK_TOKENS}, 2 repeats")

@@ -1,0 +1,16 @@
+"""The proxy against vLLM itself over generated requests (testbed/differential.py): the
+short form of `make differential`, a new seed each day (printed: a difference found is
+found again with ``python -m testbed.differential --seed S``)."""
+
+from __future__ import annotations
+
+import datetime
+
+from testbed.differential import run_differential
+
+
+def test_the_proxy_answers_as_vllm_over_generated_requests():
+    seed = int(datetime.date.today().strftime("%Y%m%d"))
+    print(f"[differential] seed {seed}", flush=True)
+    differences = run_differential(40, seed, lambda line: print(line, flush=True))
+    assert not differences, f"{len(differences)} answers differ from vLLM's (seed {seed})"
