@@ -147,13 +147,26 @@ def shown(body: dict[str, Any]) -> str:
     return json.dumps(short)
 
 
+def alone(prefill: VllmServer, path: str, body: dict[str, Any]) -> Any:
+    """vLLM's own answer: the prefill serving it, salted away from every cached block."""
+    return answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
+
+
 def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
             say: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
     """Every request through the proxy and to the prefill alone; the differences."""
     differences = []
     for i, (path, body) in enumerate(reqs, 1):
         got = answer(proxy.url, path, body)
-        want = answer(prefill.url, path, {**body, "cache_salt": f"ref-{time.monotonic_ns()}"})
+        want = alone(prefill, path, body)
+        # vLLM alone may answer a request differently from one time to the next (a streamed
+        # echo with logprobs and n > 1 drops a choice now and then: a KeyError in its
+        # API server): the proxy's answer counts as right where vLLM itself gives it too.
+        for _ in range(3 if difference(got, want) else 0):
+            if (again := alone(prefill, path, body)) == got:
+                say(f"vLLM itself answers {path} {shown(body)} either way")
+                want = again
+                break
         if (where := difference(got, want)) is not None:
             differences.append({"path": path, "body": body, "proxy": got, "vllm": want})
             say(f"DIFFERENT {path} {shown(body)}\n  {where}")
