@@ -358,11 +358,14 @@ VLLM_PAIRS = [
     for j, dst in enumerate((*VLLM_LAYOUTS, "vllm_cpu_vec", "qaic_slot"))
     if not (dst == "vllm_cpu_vec" and (i + j) % 3 == 2)  # vLLM's CPU cache op has no fp8
 ]
-# vLLM CPU's packings (one per attention ISA family), each against each and against a
-# GPU layout and the QAIC slots, both ways: peers on different CPUs convert.
+# vLLM CPU's packings (one per attention ISA family), each against each (re-blocking too) and
+# amx against a GPU layout and the QAIC slots, both ways: peers on different CPUs convert.
 CPU_KINDS = ("vllm_cpu_vec", "vllm_cpu_amx", "vllm_cpu_neon_bf16")
 VLLM_PAIRS += [
     (src, dst, ("bfloat16", "float32")[(i + j) % 2], (32, 64)[i % 2], (32, 64, 128)[j % 3])
     for i, src in enumerate(CPU_KINDS)
-    for j, dst in enumerate((*CPU_KINDS, "LBNHC", "qaic_slot"))
-] + [("LBHNC", "vllm_cpu_amx", "bfloat16", 16, 32)]
+    for j, dst in enumerate(CPU_KINDS)
+] + [
+    ("vllm_cpu_amx", "LBNHC", "bfloat16", 64, 16), ("LBHNC", "vllm_cpu_amx", "bfloat16", 16, 32),
+    ("vllm_cpu_amx", "qaic_slot", "bfloat16", 32, 128),
+]  # fmt: skip
