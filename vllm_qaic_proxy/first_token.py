@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_qaic_connector.protocol.wire import parse_remote_prefill
+from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill
 
 # Options whose meaning spans the first token (the decode alone would apply them to the
 # rest only) or that the answer would have to merge across the legs. Every field of vLLM's
@@ -42,6 +42,9 @@ SPANNING = (
     "return_tokens_as_token_ids", "return_token_offsets", "routed_experts_prompt_start",
     "watermarking", "vllm_xargs",
 )  # fmt: skip
+# Where 0 asks for something (the sampled token's logprob alone); for the rest of SPANNING
+# 0, False, "" and empty lists and objects are vLLM's "off".
+ZERO_ASKS = ("logprobs", "prompt_logprobs", "top_logprobs")
 UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
 # The fields of vLLM's streamed completion chunks, besides choices (and usage, at the end).
@@ -59,7 +62,15 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
     streamed_ids = body.get("return_token_ids") and body.get("stream")
     several = body.get("n") not in (None, 1)  # one prefill token, n answers to start
     unsure = chat or carried or streamed_ids or several
-    return one_prompt and not (unsure or any(map(body.get, SPANNING)))
+    return one_prompt and not (unsure or any(asks(body, field) for field in SPANNING))
+
+
+def asks(body: dict[str, Any], field: str) -> bool:
+    """Whether ``body`` turns ``field`` on (``logprobs: 0`` does; ``stop: []`` does not)."""
+    value = body.get(field)
+    if value is None or value is False:
+        return False
+    return field in ZERO_ASKS or bool(value)
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class FirstToken:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finished: bool  # the whole answer: a stop, or a limit of one token
+    limit: int  # the answer's most tokens, as vLLM bounds it (the context apart)
 
     @classmethod
     def of(
@@ -85,15 +97,16 @@ class FirstToken:
         try:
             [choice] = prefilled["choices"]
             prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
-            staged = parse_remote_prefill(params if isinstance(params, dict) else {}).num_tokens
+            ticket = parse_remote_prefill(params if isinstance(params, dict) else {})
         except (KeyError, TypeError, ValueError):
             return None
+        staged = ticket.num_tokens
         if not (isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1):
             return None
         if staged != len(prompt_ids):  # a recurrent state: the decode scans the last one
             return None
-        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
-        finished = choice.get("finish_reason") == "stop" or (limit is not None and limit <= 1)
+        limit = answer_limit(body, ticket)
+        finished = choice.get("finish_reason") == "stop" or limit <= 1
         finished |= context is not None and len(prompt_ids) + 1 >= context
         text = choice.get("text") or ""
         if not finished and (not text or UNSURE_TEXT in text):
@@ -103,15 +116,14 @@ class FirstToken:
         answer["choices"] = [shown]  # a copy: the prefill's answer is left as it came
         if body.get("return_token_ids"):
             shown.update(prompt_token_ids=prompt_ids, token_ids=ids)
-        return cls(answer, text, prompt_ids, ids, finished)
+        return cls(answer, text, prompt_ids, ids, finished, limit)
 
     def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         """The decode leg: the prompt and the first token as token ids, one token fewer."""
-        limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         out = {k: v for k, v in body.items() if k != "truncate_prompt_tokens"}
         out.update(
             prompt=self.prompt_token_ids + self.token_ids,
-            max_tokens=None if limit is None else limit - 1,
+            max_tokens=self.limit - 1,
             request_id=self.answer["id"].removeprefix("cmpl-"),  # its events: the same id
             kv_transfer_params=params,
         )
@@ -151,6 +163,15 @@ class FirstToken:
             out.append({**head, "choices": [], "usage": counts})
         data = b"".join(event(c) for c in out)
         return data + b"data: [DONE]\n\n" if self.finished else data
+
+
+def answer_limit(body: dict[str, Any], ticket: RemotePrefill) -> int:
+    """The most tokens vLLM answers a completion with, the context apart (its
+    ``get_max_tokens``): the client's max_tokens (absent or null: 16, vLLM's completions
+    default), never past the server's generation-config cap (the prefill's, in its ticket)."""
+    asked = body.get("max_tokens")
+    asked = DEFAULT_MAX_TOKENS if asked is None else asked
+    return asked if ticket.max_tokens_cap is None else min(asked, ticket.max_tokens_cap)
 
 
 def event(payload: dict[str, Any]) -> bytes:
