@@ -93,6 +93,29 @@ def test_peers_compare_every_kv_layer_by_name_and_the_drafter(ours, theirs, draf
     assert incompatibility(mine, mine) is None
 
 
+def test_only_a_drafter_with_kv_of_its_own_is_named_in_the_handshake():
+    """vLLM gives an n-gram drafter the target's own model config: it keeps no KV, and a
+    decode running it beside a plain prefill must load (CI's DP 2 n-gram harness case
+    failed every load when the drafter was named). A draft model is named by its weights."""
+    from vllm.config import SpeculativeConfig
+
+    from testbed.model import MODEL_DIR
+    from testbed.vllm_harness import make_vllm_config
+    from vllm_qaic_connector.worker.registration import drafter_of, weights_fingerprint
+
+    drafts = {"ngram": {"prompt_lookup_max": 4, "prompt_lookup_min": 2},
+              "draft_model": {"model": str(MODEL_DIR)}}  # fmt: skip
+    named = {}
+    for method, extra in drafts.items():
+        cfg = make_vllm_config("kv_consumer")
+        cfg.speculative_config = SpeculativeConfig(
+            method=method, num_speculative_tokens=2, target_model_config=cfg.model_config,
+            target_parallel_config=cfg.parallel_config, **extra,
+        )  # fmt: skip
+        named[method] = drafter_of(cfg)
+    assert named == {"ngram": "", "draft_model": f"draft_model:{weights_fingerprint(cfg)}"}
+
+
 def test_layer_order_does_not_follow_the_hash_seed():
     """Draft layer i ties with the target's on index: ordered by index alone (as before),
     a set's order decides, and it differs between processes started with other

@@ -65,8 +65,8 @@ def drafter_of(vllm_config: VllmConfig) -> str:
     ("": none, or one that keeps no KV, such as n-gram lookup)."""
     spec = vllm_config.speculative_config
     draft = getattr(spec, "draft_model_config", None)
-    if spec is None or draft is None:
-        return ""
+    if spec is None or draft is None or draft is spec.target_model_config:
+        return ""  # none, or one drafting from the target alone (n-gram, suffix): no KV
     return f"{spec.method}:{weights_fingerprint(vllm_config, draft) or draft.model}"
 
 
