@@ -396,6 +396,32 @@ def test_params_staged_for_another_prompt_become_a_load_error(decode):
     assert load.remote is None and "another prompt" in load.error
 
 
+def test_a_ticket_refused_at_claim_is_neither_renewed_nor_released():
+    """Renewals start at arrival, before the ticket's prompt is checked. A request that
+    carries another prompt's ticket (a client replaying it) is refused at claim, and its
+    end must not release the staging the ticket's own request still needs."""
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
+    side = sched.connector.scheduler
+    side.set_rank_metadata([rank_meta()])
+    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    try:
+        sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+        params = params_of(step(sched)[1], "p1")
+        decode.add_request(make_request("replay", 45, dict(params), first=9))
+        out, _ = step(decode)
+        (load,) = meta(out).loads
+        assert "another prompt" in load.error
+        assert decode.connector.scheduler.loads.renewer.holds_until("replay") == 0.0
+        decode.finish_requests("replay", RequestStatus.FINISHED_ABORTED)
+        step(decode, KVConnectorOutput(finished_recving={"replay"}))
+        time.sleep(0.5)  # a release would go out on a thread of its own
+        step(sched)
+        assert side.pool.has("p1"), "the replayed ticket's end freed the real request's KV"
+    finally:
+        decode.connector.shutdown()
+        sched.connector.shutdown()
+
+
 def test_prefill_ticket_binds_prompt_and_generation(prefill):
     prefill.add_request(make_request("g1", 40, {"do_remote_decode": True}))
     prefill.add_request(make_request("g2", 40, {"do_remote_decode": True}, first=70))

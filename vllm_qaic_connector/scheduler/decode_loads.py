@@ -101,12 +101,16 @@ class DecodeLoads:
                 return None, False  # vLLM asks again next step
             if shared == "read":  # by a sibling (n > 1): the rest is computed here
                 logger.info("QAICConnector: %s's ticket was read by another", request.request_id)
+                self.renewer.drop(request.request_id)
                 return 0, False
             remote = parsed  # only a ticket that checks out is used, renewed or released
             self.renewer.want(request.request_id, remote)
         except ValueError as exc:
             # Still claim the tokens: the worker reports their blocks as load errors, so
-            # vLLM's kv_load_failure_policy decides, as for every other failed load.
+            # vLLM's kv_load_failure_policy decides, as for every other failed load. A
+            # ticket renewed since arrival is not ours to renew or release (another
+            # prompt's, another adapter's).
+            self.renewer.drop(request.request_id)
             error = f"request {request.request_id}: {exc}"
             num_tokens = len(request.prompt_token_ids or ())
         count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
