@@ -21,11 +21,13 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import requests
 
 from testbed.live_servers import (
+    MODEL,
     LiveRun,
     Server,
     VllmServer,
@@ -175,12 +177,14 @@ def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
     return differences
 
 
-def fleet(run: LiveRun, label: str, cores: tuple[str, str], extra: list[str]) -> tuple:
-    """A prefill, a decode and the proxy in front, the engines started with ``extra``."""
+def fleet(
+    run: LiveRun, label: str, cores: tuple[str, str], extra: list[str], model: Path = MODEL
+) -> tuple:
+    """A prefill and a decode of ``model``, started with ``extra``."""
     kv = {role: kv_config(role, run.engine_id(label + role[3]), free_port())
           for role in ("kv_producer", "kv_consumer")}  # fmt: skip
-    prefill = run.vllm(f"{label}p", cores[0], kv["kv_producer"], extra_args=extra)
-    decode = run.vllm(f"{label}d", cores[1], kv["kv_consumer"], extra_args=extra)
+    prefill = run.vllm(f"{label}p", cores[0], kv["kv_producer"], extra_args=extra, model=model)
+    decode = run.vllm(f"{label}d", cores[1], kv["kv_consumer"], extra_args=extra, model=model)
     return prefill, decode
 
 
@@ -188,20 +192,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=500, help="per fleet")
     p.add_argument("--seed", type=int, default=1)
+    other = "another model (scripts/make_random_model.py), served in float32"
+    p.add_argument("--model", type=Path, default=MODEL, help=other)
     a = p.parse_args(argv)
-    return 1 if run_differential(a.requests, a.seed, print) else 0
+    return 1 if run_differential(a.requests, a.seed, print, a.model) else 0
 
 
-def run_differential(n: int, seed: int, say: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_differential(
+    n: int, seed: int, say: Callable[[str], None], model: Path = MODEL
+) -> list[dict[str, Any]]:
     """Both fleets (vLLM's defaults; a generation-config cap), ``n`` requests each."""
     chat = ["--chat-template", CHAT_TEMPLATE]  # the model has none: the text as it is
+    if model != MODEL:  # random weights: float32, as the harness serves them (no near-ties)
+        chat += ["--dtype", "float32"]
     # The capped fleet also runs without prefix caching (n > 1 siblings then share no block).
     cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP}),
            "--no-enable-prefix-caching"]  # fmt: skip
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
-        fleets = {"plain": fleet(run, "plain", ("0", "1"), chat),
-                  "capped": fleet(run, "capped", ("0", "1"), cap)}  # fmt: skip
+        fleets = {"plain": fleet(run, "plain", ("0", "1"), chat, model),
+                  "capped": fleet(run, "capped", ("0", "1"), cap, model)}  # fmt: skip
         wait_all_ready(*(s for f in fleets.values() for s in f))
         for name, (prefill, decode) in fleets.items():
             proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
