@@ -11,9 +11,8 @@ then one summary and its gates; the exit code is non-zero when a gate fails:
 
 - no wrong answer (HTTP 200 with a wrong answer), no error and no stall (a request slower
   than --stall-s) among the requests that were not aborted;
-- the prefill's staging pages in use back to 0 after the run (polled, bounded; the prefill
-  is sent a plain request every few seconds so that it steps: the idle-expiry behaviour
-  itself is test_faults' business);
+- the prefill's staging pages in use back to 0 after the run (polled, bounded; nothing is
+  sent to the prefill: it steps while it holds staging, so leases expire on time);
 - each server's RSS at the end <= RSS after warm-up * --rss-factor + --rss-slack-mib;
 - after stopping: no process of the run left, no new /dev/shm object (qaic_kv_* of this
   run's engines are never removed by the soak; vLLM's own leftovers are, as the harness does).
@@ -38,7 +37,6 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
-import requests
 
 from testbed.live_servers import (
     LiveRun,
@@ -198,15 +196,6 @@ def make_plan(args: argparse.Namespace) -> list[tuple[str, str, str]]:
     return [(k, p, a) for k, (p, a) in zip(kinds, prompts, strict=True)]
 
 
-def plain(url: str, prompt: str) -> None:
-    with contextlib.suppress(requests.RequestException):
-        requests.post(
-            url + "/v1/completions",
-            json=completion_body(prompt, 1),
-            timeout=30,
-        )
-
-
 def run_soak(args: argparse.Namespace) -> int:
     gates: list[str] = []
     lines: list[str] = []
@@ -248,15 +237,9 @@ def run_soak(args: argparse.Namespace) -> int:
 
         # Staging back to zero: leases of aborted/hostile handoffs run out.
         t_poll = time.monotonic()
-        poke = copy_prompts(1, "soak-poke")[0][0]
-
-        def pages_zero() -> bool:
-            if prefill.metric(PAGES_IN_USE, 0.0) == 0:
-                return True
-            plain(prefill.url, poke)  # lets an idle prefill step (expire, update the gauge)
-            return False
-
-        reached, _ = poll_until(pages_zero, args.lease_s + 30, 2.0)
+        # Nothing sent to the idle prefill: it steps while it holds staging.
+        reached, _ = poll_until(lambda: prefill.metric(PAGES_IN_USE, 0.0) == 0,
+                                args.lease_s + 30, 2.0)  # fmt: skip
         pages_end = prefill.metric(PAGES_IN_USE, 0.0)
         pages_s = time.monotonic() - t_poll
         rss_end = {name: s.rss() for name, s in servers.items()}

@@ -34,6 +34,8 @@ class ConnectorConfig(
     staging_bytes: int | None = None  # None: sized_staging() sizes it for the model
     staging_page_bytes: int = 256 << 10
     staging_wait_s: float = 5.0
+    # The most of the pool one decode's requests hold while other decodes are in play.
+    decode_staging_share: float = 0.5
     lease_s: float = 120.0
     handshake_timeout_s: float = 10.0
     load_timeout_s: float = 60.0
@@ -72,6 +74,10 @@ class ConnectorConfig(
                 raise ValueError(f"{key} must be > 0, got {value}")
         if self.staging_wait_s < 0:
             raise ValueError("staging_wait_s must be >= 0")
+        if not 0 < self.decode_staging_share <= 1:
+            raise ValueError(
+                f"decode_staging_share must be in (0, 1], got {self.decode_staging_share}"
+            )
         if self.pool_bytes < self.staging_page_bytes:
             raise ValueError(
                 "staging_bytes must hold at least one page "

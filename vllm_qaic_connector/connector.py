@@ -175,6 +175,9 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         acks = meta.acks if isinstance(meta, QAICWorkerMetadata) else []
         self._s().update_connector_output(connector_output.finished_recving, acks)
 
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

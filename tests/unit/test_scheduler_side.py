@@ -196,6 +196,52 @@ def test_full_pool_back_pressure_waits_then_stages():
         sched.connector.shutdown()
 
 
+def test_a_decode_that_stops_reading_holds_only_its_share_of_staging():
+    """Two decodes in play, one stops acknowledging: its handoffs stop at its share of the
+    pool (then fail by name), and the healthy decode's still stage. Before the share, the
+    slow decode's took every page and the healthy one's failed with "staging pool full"."""
+    decodes = [make_scheduler("kv_consumer", BS, engine_id=f"dec{i}") for i in range(2)]
+    page = 16384 + HEADER_BYTES
+    cfg = {"staging_bytes": 4 * page, "staging_page_bytes": page, "staging_wait_s": 0.0,
+           "async_saves": False}  # fmt: skip
+    sched = make_scheduler("kv_producer", BS, cfg)
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    pool = sched.connector.scheduler.pool
+    ports = [d.connector.scheduler._server.port for d in decodes]
+    named = [{"do_remote_decode": True, "decode_host": "127.0.0.1", "decode_port": p}
+             for p in ports]  # fmt: skip
+    try:
+        for d in decodes:
+            d.connector.scheduler.set_rank_metadata([rank_meta(engine_id="dec")])
+
+        def run(rids: list[str]) -> dict[str, dict]:
+            results: dict[str, dict] = {}
+            for _ in range(500):  # requests wait for their decode's handshake, then run
+                _, outputs = step(sched)
+                results |= {r: params_of(outputs, r) for r in rids if params_of(outputs, r)}
+                if len(results) == len(rids):
+                    return results
+                time.sleep(0.01)
+            raise AssertionError(f"finished only {sorted(results)}")
+
+        for i, params in enumerate(named):  # both decodes served and read one each
+            sched.add_request(make_request(f"first{i}", 16, dict(params), first=1 + i))
+            assert run([f"first{i}"])[f"first{i}"]["do_remote_prefill"] is True
+            pool.release(f"first{i}")
+        slow = [f"slow{i}" for i in range(6)]  # more than the pool holds
+        for i, rid in enumerate(slow):
+            sched.add_request(make_request(rid, 16, dict(named[0]), first=20 + i))
+        sched.add_request(make_request("healthy1", 16, dict(named[1]), first=60))
+        results = run([*slow, "healthy1"])
+        staged = sorted(r for r, p in results.items() if p["do_remote_prefill"])
+        assert staged == ["healthy1", "slow0", "slow1"], results
+        assert f"decode 127.0.0.1:{ports[0]} held its share" in results["slow5"]["error"]
+        assert pool.pages_held_by(f"127.0.0.1:{ports[0]}") == 2
+    finally:
+        for s in (sched, *decodes):
+            s.connector.shutdown()
+
+
 def test_decode_waits_for_remote_kv_then_runs(decode):
     req = make_request("d1", 45, remote_params(45), max_tokens=3)
     decode.add_request(req)

@@ -93,6 +93,12 @@ class PrefillEngine:
     max_tokens_cap: int | None = None
 
 
+def _decode_named(params: dict[str, Any]) -> str:
+    """The decode a request's params name, as "host:port" ("" where none is named)."""
+    host, port = params.get("decode_host"), params.get("decode_port")
+    return f"{host}:{port}" if isinstance(host, str) and isinstance(port, int) else ""
+
+
 def answer_cap(model_config: Any) -> int | None:
     """What vLLM's OpenAI server caps an answer at whatever the client asks (the
     ``override_max_tokens`` of its ``get_max_tokens``): max_new_tokens of
@@ -125,6 +131,7 @@ class PrefillHandoffs:
         self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
+        self._named_at: dict[str, float] = {}  # decodes requests named, when last
         self._generations = Generations()
         self.preemptions = 0  # for stats, taken by the scheduler side
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
@@ -153,23 +160,50 @@ class PrefillHandoffs:
             out.target, out.waiting_since = target, now
         fmt = self._staging_format(request.num_prompt_tokens, out.target)
         self.releases.expire()  # an idle engine ran no step that would have freed them
+        holder = _decode_named(params)
+        quota = self._quota(holder, now)
         try:
             kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
-            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes)
+            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes, None, holder, quota)
         except ValueError as exc:
             out.error = str(exc)
             return 0, False
         if offset is None:
             if now - out.waiting_since < self.cfg.staging_wait_s:
                 return None, False  # back-pressure: wait for pages to come back
-            out.error = (
-                f"staging pool full ({self.pool.pages_in_use}/{self.pool.num_pages} pages) "
-                f"for {self.cfg.staging_wait_s}s; raise staging_bytes or lower the load"
-            )
+            out.error = self._no_pages(holder, quota, HEADER_BYTES + kv_bytes)
             logger.warning("QAICConnector: request %s: %s", rid, out.error)
             return 0, False
         out.offset, out.generation = offset, self._generations.take()
         return 0, False
+
+    def _quota(self, holder: str, now: float) -> int | None:
+        """The most staging pages a named decode may hold while another decode was named
+        within a lease (or is in ``decode_peers``): a slow or dead one then cannot take
+        every page from healthy ones. Alone, or not named (a router that names none), a
+        decode may use the whole pool."""
+        if not holder or self.cfg.decode_staging_share >= 1:
+            return None
+        self._named_at[holder] = now
+        recent = {d: t for d, t in self._named_at.items() if now - t < self.cfg.lease_s}
+        self._named_at = recent
+        if len(recent.keys() | self.cfg.decode_peers) < 2:
+            return None
+        return max(1, int(self.pool.num_pages * self.cfg.decode_staging_share))
+
+    def _no_pages(self, holder: str, quota: int | None, num_bytes: int) -> str:
+        held, total = self.pool.pages_held_by(holder), self.pool.num_pages
+        wait_s = self.cfg.staging_wait_s
+        if quota is not None and held + self.pool.pages_for(num_bytes) > quota:
+            return (
+                f"decode {holder} held its share of staging ({held}/{total} pages, "
+                f"decode_staging_share {self.cfg.decode_staging_share}) for {wait_s}s: "
+                "it reads slowly or not at all"
+            )
+        return (
+            f"staging pool full ({self.pool.pages_in_use}/{total} pages) for {wait_s}s; "
+            "raise staging_bytes or lower the load"
+        )
 
     def will_save(self, request: Request) -> None:
         """Its blocks are allocated: save each chunk as it is computed."""

@@ -64,6 +64,7 @@ class SchedulerSide:
         )
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
+        self._published_pages = 0  # the staging gauge's value as of the last step
         self._key = cfg.shared_key
         self.loads = DecodeLoads(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
         self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
@@ -186,9 +187,16 @@ class SchedulerSide:
         loading = self.loads.finished(request.request_id)
         return self.handoffs.finished(request, loading=loading)
 
+    def has_pending_push_work(self) -> bool:
+        """Staged KV still leased, or a gauge that has not yet said it went: vLLM keeps
+        stepping (its empty steps sleep 1 ms), so leases expire on time and the gauge falls
+        when a decode frees the pages, not at an idle prefill's next request."""
+        return self.pool.pages_in_use > 0 or self._published_pages > 0
+
     def pool_stats(self) -> QAICConnectorStats:
         stats = QAICConnectorStats()
-        stats.set("staging_pages_in_use", self.pool.pages_in_use)
+        self._published_pages = self.pool.pages_in_use
+        stats.set("staging_pages_in_use", self._published_pages)
         stats.set("staging_pages_total", self.pool.num_pages)
         stats.add("lease_expiries", self.releases.take_expired())
         stats.add("handshakes", self.peers.take_handshakes())

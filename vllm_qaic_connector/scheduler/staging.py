@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 _FREE, _USED = b"\x01", b"\x00"
@@ -19,6 +20,7 @@ class Lease:
     first_page: int
     num_pages: int
     expires_at: float
+    holder: str = ""  # the decode it is staged for ("": not named)
 
 
 class StagingPool:
@@ -36,14 +38,24 @@ class StagingPool:
         self._leases: dict[str, Lease] = {}
         self._freed: list[int] = []  # offsets given up since `drain_freed`
         self._in_use = 0  # pages
+        self._held_by: Counter[str] = Counter()  # pages, by holder
         self._next_expiry = math.inf  # no lease ends before this (renewals only delay)
         self._lock = threading.Lock()
 
     def pages_for(self, num_bytes: int) -> int:
         return max(1, math.ceil(num_bytes / self.page_bytes))
 
-    def allocate(self, request_id: str, num_bytes: int, now: float | None = None) -> int | None:
-        """Reserve a run for ``num_bytes``; returns its byte offset, or None when full."""
+    def allocate(
+        self,
+        request_id: str,
+        num_bytes: int,
+        now: float | None = None,
+        holder: str = "",
+        quota: int | None = None,
+    ) -> int | None:
+        """Reserve a run for ``num_bytes``; returns its byte offset, or None when full or
+        when ``holder`` would pass its ``quota`` of pages (a holder with none may take one
+        run of any size, so a long prompt still fits)."""
         need = self.pages_for(num_bytes)
         if need > self.num_pages:
             raise ValueError(
@@ -53,14 +65,18 @@ class StagingPool:
         with self._lock:
             if request_id in self._leases:
                 raise ValueError(f"request {request_id} is already staged")
+            held = self._held_by[holder]
+            if quota is not None and held and held + need > quota:
+                return None
             start = self._free.find(_FREE * need)
             if start < 0:
                 return None
             self._free[start : start + need] = _USED * need
             self._in_use += need
+            self._held_by[holder] += need
             expires = (time.monotonic() if now is None else now) + self.lease_s
             self._next_expiry = min(self._next_expiry, expires)
-            self._leases[request_id] = Lease(start, need, expires)
+            self._leases[request_id] = Lease(start, need, expires, holder)
             return start * self.page_bytes
 
     def release(self, request_id: str) -> bool:
@@ -71,6 +87,9 @@ class StagingPool:
             first, n = lease.first_page, lease.num_pages
             self._free[first : first + n] = _FREE * n
             self._in_use -= n
+            self._held_by[lease.holder] -= n
+            if not self._held_by[lease.holder]:
+                del self._held_by[lease.holder]  # holders are named by requests: keep few
             self._freed.append(first * self.page_bytes)
             return True
 
@@ -111,6 +130,10 @@ class StagingPool:
     def has(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._leases
+
+    def pages_held_by(self, holder: str) -> int:
+        with self._lock:
+            return self._held_by[holder]
 
     @property
     def pages_in_use(self) -> int:
