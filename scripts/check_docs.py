@@ -8,11 +8,15 @@
   table row, in backticks, by its dotted path relative to the package:
   `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py; the proxy's
   modules go by their full name (`vllm_qaic_proxy.server`). Every *.py of both packages
-  counts except __init__.py and __main__.py.
+  counts except __init__.py and __main__.py;
+- a docstring of the code (packages, testbed, tests, scripts, benchmarks, emulator) names a
+  file of the repository (``tests/live/test_faults.py``, ``docs/failures.md``) that does not
+  exist.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
@@ -25,6 +29,9 @@ MAX_README_LINES = 200
 LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?[^)]*\)")
 MAP_ROW = re.compile(r"^\|\s*`([\w.]+)`")
 URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+CODE_DIRS = ("vllm_qaic_connector", "vllm_qaic_proxy", "testbed", "tests", "scripts",
+             "benchmarks", "emulator")  # fmt: skip
+REPO_PATH = re.compile(rf"(?<![\w/.])((?:{'|'.join(CODE_DIRS)}|docs)/[\w/.-]*\.(?:py|md|sh))")
 
 
 def readme_length() -> list[str]:
@@ -65,8 +72,22 @@ def module_map() -> list[str]:
     ]
 
 
+def docstring_paths() -> list[str]:
+    problems = []
+    for source in sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")):
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef):
+                continue
+            for path in REPO_PATH.findall(ast.get_docstring(node) or ""):
+                if not (ROOT / path).exists():
+                    where = f"{source.relative_to(ROOT)}:{getattr(node, 'lineno', 1)}"
+                    problems.append(f"{where}: the docstring names {path}: no such file")
+    return problems
+
+
 def main() -> int:
-    problems = readme_length() + broken_links() + module_map()
+    problems = readme_length() + broken_links() + module_map() + docstring_paths()
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0

@@ -1,7 +1,7 @@
 """The shipped model, ``models/tiny-copy``: where it is and its KV geometry, written once.
 
 Tests that need "a model's KV" use these numbers so that what they build agrees with what a
-real server of this model hands over; `tests/unit/test_tiny_model.py` checks them against the
+real server of this model hands over; `tests/unit/test_testbed.py` checks them against the
 model's ``config.json``.
 """
 

@@ -1,5 +1,5 @@
 """Issue #12, live: real clients through the proxy in front of real `vllm serve` engines.
-Called by tests/test_faults.py's shm set (its servers are shared: start-ups cost minutes).
+Called by tests/live/test_faults.py's shm set (its servers are shared: start-ups cost minutes).
 
 - the official `openai` client, streaming and not, completions and chat: streamed text equals
   the non-streamed answer, usage arrives with ``include_usage``, the prefill leg generates

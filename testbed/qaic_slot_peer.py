@@ -1,4 +1,5 @@
-"""The NIXL -> QAIC slot handoff between two processes, for tests/test_qaic_slot_veth.py.
+"""The NIXL -> QAIC slot handoff between two processes, for
+tests/integration/test_qaic_slot_veth.py.
 
 ``prefill --tag T``: a NixlTransport whose staging holds the KV of ``--prompts`` held-out copy
 prompts (computed by transformers on models/tiny-copy), each staged in ``qaic_slot`` layout

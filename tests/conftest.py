@@ -17,11 +17,28 @@ LIVE = Path(__file__).resolve().parent / "live"
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by what a test needs (registered in pyproject.toml): every test under
-    tests/live/ starts `vllm serve` (``live``); a test whose id (file, class, name or
-    parameters) says "nixl" runs NIXL (``nixl``). ``netns`` and ``cuda`` are set by the
-    tests themselves."""
+    tests/live/ starts `vllm serve` (``live``); a test runs NIXL (``nixl``) where a fixture
+    it uses is named for it (``nixl_cluster``) or a parameter picks it (``"nixl"``,
+    ``"nixl-staged"``, ``{"KV_TRANSPORT": "nixl"}``); one that hard-codes NIXL marks itself,
+    as do ``netns`` and ``cuda`` tests."""
     for item in items:
         if LIVE in item.path.parents:
             item.add_marker(pytest.mark.live)
-        if "nixl" in item.nodeid.lower():
+        if _picks_nixl(item):
             item.add_marker(pytest.mark.nixl)
+
+
+def _picks_nixl(item: pytest.Item) -> bool:
+    if any("nixl" in name for name in getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    values = list(callspec.params.values()) if callspec else []
+    while values:
+        value = values.pop()
+        if isinstance(value, str) and value.startswith("nixl"):
+            return True
+        if isinstance(value, dict):
+            values += value.values()
+        elif isinstance(value, tuple | list):
+            values += value
+    return False

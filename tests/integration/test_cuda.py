@@ -110,7 +110,7 @@ def test_a_gpu_rank_over_nixl_shares_its_cache_and_pins_its_staging():
     """With nixl_direct_reads a rank whose cache is on the GPU registers that cache (VRAM)
     and says so in its handshake; its staging and receive arena are page-locked for the
     device copies, and unregistered with CUDA when it closes."""
-    pytest.importorskip("nixl")
+    import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
     extra = {"transport": "nixl", "staging_bytes": 1 << 20, "nixl_direct_reads": True}
     args = dict(rank=0, tp=1, total_heads=4, layout="LBHNC", block=16, engine="gpunixl",
                 extra=extra, dtype="bfloat16", device="cuda")  # fmt: skip

@@ -13,10 +13,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nixl  # noqa: E402, F401  (NIXL missing is a failure, never a skip)
 import pytest
 import torch
-
-pytest.importorskip("nixl")
 
 from testbed.netns import rx_bytes, veth_link
 from testbed.nixl_peer import PEER_SCRIPT, RANGES, SEED, SIZE, Peer, decode, encode, pattern  # noqa: E402

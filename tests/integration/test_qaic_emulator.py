@@ -304,6 +304,7 @@ def test_refusals_free_the_slot_and_the_staging(tag):
         prefill.close()
 
 
+@pytest.mark.nixl
 def test_failed_nixl_pulls_free_the_slot_and_the_staging_and_leave_nothing_registered(tag):
     """A stale ticket (the region was restaged) and a dead prefill agent: each request gets a
     clean 502, its slot is free again, the prefill is told to release, and the emulator's

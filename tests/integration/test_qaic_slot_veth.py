@@ -1,5 +1,5 @@
 """NIXL -> QAIC slot across two network namespaces joined by a veth link, UCX over TCP only:
-the prefill (tests/qaic_slot_peer.py) stages prompt KV in namespace A, the decode in namespace
+the prefill (testbed/qaic_slot_peer.py) stages prompt KV in namespace A, the decode in namespace
 B READs it straight into its QAIC slot buffers and decodes the right answers from them."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
+import nixl  # noqa: E402, F401  (NIXL missing is a failure, never a skip)
 import pytest
-
-pytest.importorskip("nixl")
 
 from testbed.model import ROOT, TINY  # noqa: E402
 from testbed.netns import rx_bytes, veth_link  # noqa: E402

@@ -1,6 +1,6 @@
 """The connector's stats: aggregation across workers and steps, and their Prometheus export
 with prometheus_client's own metric classes (the live servers' /metrics are scraped by
-tests/test_faults.py)."""
+tests/live/test_faults.py)."""
 
 from __future__ import annotations
 
