@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_qaic_connector.kv.layout import KVGeometry
 from vllm_qaic_connector.kv.layout_probe import ISA_PACKINGS, matches_vllm_op
+from vllm_qaic_connector.layout import KVGeometry
 
 CASES = [  # (dtype, block, head): what each ISA accepts in vLLM 0.32
     (torch.bfloat16, 32, 64), (torch.bfloat16, 128, 128), (torch.float32, 64, 32),

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.kv.layout import (
+from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
     blocks_for_tokens,

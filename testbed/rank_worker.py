@@ -13,6 +13,7 @@ import torch
 
 from testbed.model import TINY
 from testbed.shm import segments
+from vllm_qaic_connector import worker_side
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
@@ -21,14 +22,14 @@ from vllm_qaic_connector.kv.kv_groups import (
     staged_starts,
     tokens_to_load,
 )
-from vllm_qaic_connector.kv.layout import (
+from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
+from vllm_qaic_connector.layout import (
     KVGeometry,
     VllmPagedLayout,
     blocks_for_tokens,
     gather_tokens,
     get_layout,
 )
-from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
@@ -40,9 +41,9 @@ from vllm_qaic_connector.protocol.wire import (
 )
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.worker import request_saves, worker_side
+from vllm_qaic_connector.worker import request_saves
 from vllm_qaic_connector.worker.this_rank import RankIdentity
-from vllm_qaic_connector.worker.worker_side import WorkerSide
+from vllm_qaic_connector.worker_side import WorkerSide
 
 HEAD, LAYERS, NUM_BLOCKS = TINY.head_size, TINY.layers, 24
 

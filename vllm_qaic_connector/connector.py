@@ -16,10 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from vllm_qaic_connector.config import parse_config, sized_staging
-from vllm_qaic_connector.scheduler.scheduler_side import SchedulerSide
+from vllm_qaic_connector.scheduler_side import SchedulerSide
 from vllm_qaic_connector.stats import QAICConnectorStats, QAICPromMetrics
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
-from vllm_qaic_connector.worker.worker_side import (
+from vllm_qaic_connector.worker_side import (
     QAICHandshakeMetadata,
     QAICWorkerMetadata,
     WorkerSide,

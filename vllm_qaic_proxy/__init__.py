@@ -7,6 +7,6 @@ numpy. It imports ``vllm_qaic_connector.protocol`` only (plus aiohttp), and noth
 the connector imports it.
 """
 
-from vllm_qaic_proxy.server import main
+from vllm_qaic_proxy.cli import main
 
 __all__ = ["main"]

@@ -1,5 +1,5 @@
 """``python -m vllm_qaic_proxy``."""
 
-from vllm_qaic_proxy.server import main
+from vllm_qaic_proxy.cli import main
 
 main()

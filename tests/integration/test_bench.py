@@ -19,7 +19,7 @@ from testbed import handoff_bench as bench
 from testbed.model import ROOT
 from testbed.shm import segments
 from vllm_qaic_connector.kv import copy_pool
-from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, get_layout
+from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.worker import direct_reads
 
 LAYERS, HEADS, HEAD_DIM = 2, 2, 16

@@ -19,7 +19,7 @@ from testbed.rank_worker import (
     run_handoff,
 )
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
-from vllm_qaic_connector.kv.layout import gather_tokens
+from vllm_qaic_connector.layout import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES
 from vllm_qaic_connector.worker import request_saves
@@ -111,6 +111,7 @@ def test_a_gpu_rank_over_nixl_shares_its_cache_and_pins_its_staging():
     and says so in its handshake; its staging and receive arena are page-locked for the
     device copies, and unregistered with CUDA when it closes."""
     import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
+
     extra = {"transport": "nixl", "staging_bytes": 1 << 20, "nixl_direct_reads": True}
     args = dict(rank=0, tp=1, total_heads=4, layout="LBHNC", block=16, engine="gpunixl",
                 extra=extra, dtype="bfloat16", device="cuda")  # fmt: skip

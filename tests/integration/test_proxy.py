@@ -22,7 +22,7 @@ from aiohttp import web
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
-from vllm_qaic_proxy import apis, batches, first_token, routing, server
+from vllm_qaic_proxy import apis, first_token, legs, prompt_lists, routing
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
 from vllm_qaic_proxy.server import HANDLER_CANCELLATION, Proxy
@@ -192,21 +192,21 @@ def test_the_prefill_leg_names_no_decode_without_decode_kv() -> None:
 
 
 def test_a_list_of_prompts_is_answered_as_vllm_answers_it() -> None:
-    assert batches.prompts({"prompt": "hi"}) is None
-    assert batches.prompts({"prompt": [5, 6, 7]}) is None  # token ids: one prompt
-    assert batches.prompts({"prompt": ["a", [5, 6]]}) == ["a", [5, 6]]
+    assert prompt_lists.prompts({"prompt": "hi"}) is None
+    assert prompt_lists.prompts({"prompt": [5, 6, 7]}) is None  # token ids: one prompt
+    assert prompt_lists.prompts({"prompt": ["a", [5, 6]]}) == ["a", [5, 6]]
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "details": None}
     answer = {"id": "x", "choices": [{"index": 0, "text": "t"}], "usage": usage}
-    status, merged = batches.merged([(200, answer), (200, answer)])
+    status, merged = prompt_lists.merged([(200, answer), (200, answer)])
     assert status == 200 and [c["index"] for c in merged["choices"]] == [0, 1]
     assert merged["usage"] == {**usage, "prompt_tokens": 6, "completion_tokens": 4,
                                "total_tokens": 10}  # fmt: skip
     two = {**answer, "choices": [{"index": 1, "text": "b"}, {"index": 0, "text": "a"}]}
-    _, merged = batches.merged([(200, two), (200, two)])  # n = 2: prompt i's j is 2i + j
+    _, merged = prompt_lists.merged([(200, two), (200, two)])  # n = 2: prompt i's j is 2i + j
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [
         (0, "a"), (1, "b"), (2, "a"), (3, "b")]  # fmt: skip
     failed = {"error": {"message": "boom"}}
-    assert batches.merged([(200, answer), (503, failed), (502, {})]) == (503, failed)
+    assert prompt_lists.merged([(200, answer), (503, failed), (502, {})]) == (503, failed)
 
 
 # --- stand-in engines -----------------------------------------------------------------------
@@ -879,7 +879,7 @@ async def test_a_backend_that_takes_no_connection_costs_a_retry_on_another(
 ) -> None:
     """A host that drops connection attempts (down, or its accept queue full) is down: the
     next decode serves. Before, the request waited for the whole leg's limit, then 504."""
-    monkeypatch.setattr(server, "CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(legs, "CONNECT_TIMEOUT_S", 0.5)
     with socket.socket() as full:
         port = free_port()
         full.bind(("127.0.0.1", port))

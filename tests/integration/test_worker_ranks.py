@@ -230,6 +230,7 @@ def test_nixl_worker_registers_only_its_staging_never_the_kv_caches(nixl_direct_
     nothing else. ``nixl_direct_reads`` opts in: then the one allocation behind every
     layer is registered too, and the handshake says so."""
     import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
+
     args = {"engine": f"reg{os.getpid()}", "rank": 0, "tp": 1, "total_heads": 2, "block": 16}
     extra = {"transport": "nixl", "staging_bytes": 1 << 20, "nixl_direct_reads": nixl_direct_reads}
     w = make_worker({**args, "layout": "LBNHC", "extra": extra}, 0)

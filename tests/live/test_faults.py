@@ -236,6 +236,7 @@ def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 @pytest.fixture(scope="class")
 def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
+
     cluster = start_cluster("faultnixl", "nixl", keyed=True, ipv6=True)  # IPv6 nowhere else
     failed = request.session.testsfailed
     yield cluster

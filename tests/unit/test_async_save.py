@@ -14,7 +14,7 @@ import torch
 
 from testbed.rank_worker import make_worker
 from vllm_qaic_connector import tickets
-from vllm_qaic_connector.kv.layout import (
+from vllm_qaic_connector.layout import (
     KVGeometry,
     StagingFormat,
     blocks_for_tokens,

@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from testbed.rank_worker import vllm_kv_caches
 from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
-from vllm_qaic_connector.kv.layout import (
+from vllm_qaic_connector.kv.layout_probe import (
+    ISA_PACKINGS,
+    attention_isa,
+    cpu_layout,
+    matches_vllm_op,
+)
+from vllm_qaic_connector.layout import (
     CPU_PACKINGS,
     LAYOUTS,
     VLLM_ORDERS,
@@ -25,12 +31,6 @@ from vllm_qaic_connector.kv.layout import (
     gather_tokens,
     get_layout,
     plan_token_runs,
-)
-from vllm_qaic_connector.kv.layout_probe import (
-    ISA_PACKINGS,
-    attention_isa,
-    cpu_layout,
-    matches_vllm_op,
 )
 
 HEADS, HEAD = 2, 32

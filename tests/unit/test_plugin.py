@@ -18,7 +18,7 @@ def test_entry_point_is_declared():
 
 def test_the_proxy_console_script_runs_the_proxy_package():
     """`vllm-qaic-proxy` is the proxy's own top-level package, not a module of the connector."""
-    from vllm_qaic_proxy.server import main
+    from vllm_qaic_proxy.cli import main
 
     [script] = [ep for ep in entry_points(group="console_scripts") if ep.name == "vllm-qaic-proxy"]
     assert script.load() is main

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from testbed.shm import segments
-from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.transports.shm import SHM_DIR
 

@@ -16,7 +16,7 @@ from vllm_qaic_connector.config import (
     parse_config,
     sized_staging,
 )
-from vllm_qaic_connector.kv.layout import KVGeometry, StagingFormat
+from vllm_qaic_connector.layout import KVGeometry, StagingFormat
 from vllm_qaic_connector.scheduler.staging import StagingPool
 from vllm_qaic_connector.tickets import HEADER_BYTES
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_qaic_connector.kv import layout, stream_copy
+from vllm_qaic_connector import layout
+from vllm_qaic_connector.kv import stream_copy
 from vllm_qaic_connector.kv.byte_runs import BlockExtents, block_ranges
-from vllm_qaic_connector.kv.layout import LAYOUTS, KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, block_runs, gather_tokens, get_layout
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
 

@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from testbed.live_servers import random_model
 from testbed.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_qaic_connector.connector import QAICConnector
-from vllm_qaic_connector.kv.layout import KVGeometry, get_layout
+from vllm_qaic_connector.layout import KVGeometry, get_layout
 from vllm_qaic_connector.worker.registration import local_cache
 from vllm_qaic_connector.worker.this_rank import RankIdentity
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_qaic_connector.kv.layout import KVGeometry
+from vllm_qaic_connector.layout import KVGeometry
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vllm_qaic_connector.kv.layout import KV, HeadRange, copy_layers, tokens_bytes
+from vllm_qaic_connector.layout import KV, HeadRange, copy_layers, tokens_bytes
 
 SCRATCH_BYTES = 256 << 20  # device memory a copy borrows beside vLLM's KV cache
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_qaic_connector.kv.layout import (
+from vllm_qaic_connector.layout import (
     KVGeometry,
     KVLayout,
     gather_tokens,

@@ -22,7 +22,7 @@ HASH_RE = re.compile(r"[0-9a-f]{32}")
 ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")
 
 
-# The physical KV layouts peers name (kv/layout.py has one class per name): vLLM's six
+# The physical KV layouts peers name (layout.py has one class per name): vLLM's six
 # `KVCacheLayout` orders, vLLM CPU's packings (one per family of attention ISAs) and the
 # QAIC slots. Here, not there: the proxy reads tickets and must not import torch.
 LAYOUT_KINDS = (

@@ -10,7 +10,7 @@ READ is the DMA, with no receive buffer and no host copy, and other slots are ne
 from __future__ import annotations
 
 from vllm_qaic_connector.kv.byte_runs import ByteRun, plan_slot_reads
-from vllm_qaic_connector.kv.layout import KVGeometry
+from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import TransportEndpoint
 from vllm_qaic_connector.qaic.target import SlotTarget
 from vllm_qaic_connector.tickets import HEADER_BYTES, checked_region

@@ -1,4 +1,5 @@
-"""The scheduler half of the connector: logical block ids, never bytes. A prefill
+"""The scheduler half's helpers (the half itself is `scheduler_side.py` at the package root):
+logical block ids, never bytes. A prefill
 reserves staging for each handoff and returns its ticket; a decode turns a ticket into a
 load for its worker; staging is freed on acknowledgement or lease expiry.
 

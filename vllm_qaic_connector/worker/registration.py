@@ -16,9 +16,9 @@ from vllm_qaic_connector.kv.kv_groups import (
     layer_groups,
     ordered_layers,
 )
-from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.kv.layout_probe import resolved_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
+from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import (
     checkpoint_fingerprint,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_qaic_connector.kv.kv_groups import layer_starts
-from vllm_qaic_connector.kv.layout import KVGeometry, KVLayout, StagingFormat
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
+from vllm_qaic_connector.layout import KVGeometry, KVLayout, StagingFormat
 
 Views = tuple[torch.Tensor, torch.Tensor]
 

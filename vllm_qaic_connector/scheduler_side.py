@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.kv.kv_groups import attention_spec, groups_of, has_state
-from vllm_qaic_connector.kv.layout import KVGeometry
+from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer

@@ -1,0 +1,346 @@
+"""The legs: each HTTP call the proxy makes to a backend engine, and how one fails.
+
+A failed leg is a `LegError` naming it: 503 unreachable, 504 timed out, 502 a bad answer; a
+backend's own 4xx goes to the client as it came. `NoAnswer` (no connection, or closed before
+its headers) lets another backend of the same kind take the request (`Legs.failover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
+from vllm_qaic_proxy import first_token, prompt_lists
+from vllm_qaic_proxy.first_token import FirstToken
+from vllm_qaic_proxy.routing import LeastOutstanding
+
+logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
+T = TypeVar("T")
+Sink = web.StreamResponse | prompt_lists.Part  # where a stream's events go
+
+ERROR_TYPES = {
+    404: "NotFoundError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout",
+}  # fmt: skip
+# No limit on a leg's time unless the operator sets one: vLLM's server has none, and a long
+# answer not streamed (a reasoning model's 30k tokens) takes as long as it takes. A backend
+# that accepts no connection in this long is down, and another is tried.
+CONNECT_TIMEOUT_S = 10.0
+# What a relayed route passes on of the client's request and of the decode's answer.
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+RELAYED_HEADERS = (*FORWARDED_HEADERS, "Content-Type", "Accept")
+# Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
+# reused just as the engine's server closes it (the request would fail to send).
+BACKEND_KEEPALIVE_S = 4.0
+# No answer at all: no connection, or closed before its headers (another backend may serve).
+UNANSWERED = (
+    aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError,
+)  # fmt: skip
+
+
+class LegError(Exception):
+    """A leg failed; ``status`` and the message go to the client."""
+
+    def __init__(self, status: int, message: str, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.body = status, body
+
+    def response(self) -> web.Response:
+        """The client's answer: a backend's own 4xx as it came, else our error naming the leg."""
+        if self.body is not None:
+            return web.json_response(self.body, status=self.status)
+        logger.warning("request failed (%d): %s", self.status, self)
+        return web.json_response(error_body(self.status, str(self)), status=self.status)
+
+
+class NoAnswer(LegError):
+    """The backend gave no answer at all (no connection, or closed before its headers), so
+    another backend of the same kind may take the request."""
+
+
+class NotHere(NoAnswer):
+    """The backend is up but does not hold what was asked for (a stored response: vLLM's
+    store is per server), so another may; ``body`` is its 404, the answer if none does."""
+
+
+def held(stored: bool, leg: Callable[[str], Awaitable[T]]) -> Callable[[str], Awaitable[T]]:
+    """``leg``, where a ``stored`` response's 404 is NotHere: another backend may hold it."""
+    if not stored:
+        return leg
+
+    async def call(url: str) -> T:
+        try:
+            return await leg(url)
+        except LegError as exc:
+            if exc.status != 404 or isinstance(exc, NoAnswer):
+                raise
+            raise NotHere(404, f"{url} does not hold it", exc.body) from None
+
+    return call
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+    """vLLM's (and OpenAI's) error shape."""
+    kind = kind or ERROR_TYPES.get(status, "BadRequestError")
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+class Legs:
+    """The calls to backends, over one connection pool (opened and closed with the app)."""
+
+    def __init__(
+        self, prefill_timeout_s: float | None, decode_timeout_s: float | None, key: bytes | None
+    ) -> None:
+        self.prefill_timeout_s, self.decode_timeout_s, self.key = (
+            prefill_timeout_s, decode_timeout_s, key,
+        )  # fmt: skip
+        self.session: aiohttp.ClientSession | None = None
+        self._releases: set[asyncio.Future[None]] = set()
+        self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
+
+    async def start(self) -> None:
+        # No cap on connections (aiohttp's is 100, and a stream holds one to its end: the
+        # 101st request waited for one to end); the engines queue, as behind vLLM's router.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
+        self.session = aiohttp.ClientSession(connector=connector)
+
+    async def stop(self) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=6)
+        if self.session is not None:
+            await self.session.close()
+
+    async def open(
+        self,
+        leg: str,
+        url: str,
+        body: dict[str, Any],
+        timeout: aiohttp.ClientTimeout,
+        auth: dict[str, str],
+    ) -> aiohttp.ClientResponse:
+        assert self.session is not None
+        try:
+            return await self.session.post(url, json=body, timeout=timeout, headers=auth)
+        except UNANSWERED as exc:
+            raise NoAnswer(
+                503, f"{leg} leg {url} is unreachable: {exc or 'no connection'}"
+            ) from None
+        except asyncio.TimeoutError:
+            raise LegError(504, f"{leg} leg {url} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise LegError(503, f"{leg} leg {url} is unreachable: {exc}") from None
+
+    async def read_json(self, leg: str, url: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
+        """The leg's JSON answer; a backend's 4xx goes to the client as it is."""
+        try:
+            text = await resp.text()
+        except asyncio.TimeoutError:
+            raise LegError(504, f"{leg} leg {url} timed out") from None
+        except aiohttp.ClientError as exc:
+            raise LegError(502, f"{leg} leg {url} broke off its answer: {exc}") from None
+        finally:
+            resp.release()
+        body = None
+        with contextlib.suppress(ValueError):
+            body = json.loads(text)
+        if not isinstance(body, dict):
+            raise LegError(
+                502, f"{leg} leg {url} answered HTTP {resp.status} with non-JSON: {text[:200]!r}"
+            )
+        if 400 <= resp.status < 500:
+            raise LegError(resp.status, f"{leg} leg: HTTP {resp.status}", body)
+        if resp.status != 200:
+            error = body.get("error")
+            detail = error.get("message") if isinstance(error, dict) else body
+            raise LegError(502, f"{leg} leg {url} failed with HTTP {resp.status}: {detail}")
+        return body
+
+    async def failover(
+        self, pool: LeastOutstanding, first: str, leg: Callable[[str], Awaitable[T]]
+    ) -> T:
+        """``leg(url)`` on ``first``; where a backend gave no answer at all, on the next one
+        that is up (a dead engine costs its requests a retry, not an error), and that
+        backend is skipped for a while."""
+        tried = pool.failover(first)
+        for url in tried:
+            try:
+                with pool.busy(url):
+                    return await leg(url)
+            except NoAnswer as exc:
+                if not isinstance(exc, NotHere):
+                    pool.mark_down(url)
+                if url == tried[-1]:
+                    raise
+                logger.warning("%s; trying the next", exc)
+        raise AssertionError("no backend tried")
+
+    async def prefill(self, url: str, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any]:
+        timeout = leg_timeout(total=self.prefill_timeout_s)
+        resp = await self.open("prefill", url, body, timeout, auth)
+        return await self.read_json("prefill", url, resp)
+
+    def release(self, params: dict[str, Any]) -> None:
+        """Free the prefill's staging now rather than at lease end (in the background)."""
+        try:
+            remote = parse_remote_prefill(params)
+        except ValueError:
+            return
+
+        def call() -> None:
+            msg = ReleaseRequest([remote.remote_request_id])
+            try:
+                side_channel.call(remote.remote_host, remote.remote_port, msg, self.key, 5.0)
+            except ConnectionError as exc:
+                logger.warning("could not release %s (its lease will): %s", remote, exc)
+
+        task = asyncio.get_running_loop().run_in_executor(None, call)
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def stream(
+        self,
+        request: web.Request,
+        url: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        first: FirstToken | None,
+        leg: str = "decode",
+        sink: Sink | None = None,
+    ) -> tuple[web.StreamResponse, bool]:
+        """The decode's events through as they come (after ``first``'s, once the decode
+        has taken the request), to the client or into ``sink``; False when the client went
+        away. Then the decode's connection is closed, which aborts the request there."""
+        timeout = leg_timeout(sock_read=self.decode_timeout_s)
+        resp = await self.open(leg, url, body, timeout, credentials(request))
+        if resp.status != 200 or "json" in resp.content_type:
+            await self.read_json(leg, url, resp)  # raises: a stream answers 200 with events
+            raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
+        headers["Content-Type"] = resp.headers.get("Content-Type", "")
+        out: Sink = sink or web.StreamResponse(headers=headers)
+        try:
+            await out.prepare(request)
+            if first is not None:  # any usage after it (asked, or forced) counts it as answer
+                await out.write(first.events(body.get("stream_options"), final_usage=False))
+                async for line in resp.content:
+                    await out.write(first_token.fix_event(line))
+            else:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            await out.write_eof()
+        except ConnectionResetError:
+            logger.info("client went away mid-stream; aborting the decode request")
+            return response_of(out), False
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            # Headers are out: the client learns of the failure as a last event.
+            logger.warning("%s leg %s broke off a stream: %s", leg, url, exc)
+            err = error_body(502, f"{leg} leg {url} broke off the stream: {exc}")
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(f"data: {json.dumps(err)}\n\n".encode())
+            return response_of(out), False
+        finally:
+            resp.close()  # before the end of the stream: the decode aborts the request
+        return response_of(out), True
+
+    async def whole(
+        self, url: str, path: str, body: dict[str, Any], auth: dict[str, str], leg: str
+    ) -> dict[str, Any]:
+        """A leg's whole answer, not streamed."""
+        timeout = leg_timeout(total=self.decode_timeout_s)
+        resp = await self.open(leg, url + path, body, timeout, auth)
+        return await self.read_json(leg, url, resp)
+
+    async def context(self, decode_url: str, auth: dict[str, str]) -> int | None:
+        """The decode's max_model_len, from its /v1/models once; None where it names none
+        (a decode without that route, the QAIC emulator's, is not asked again; one that did
+        not answer, or refused the client's credentials, is)."""
+        if decode_url not in self._contexts:
+            assert self.session is not None
+            timeout = aiohttp.ClientTimeout(total=5)
+            url = decode_url + "/v1/models"
+            try:
+                async with self.session.get(url, timeout=timeout, headers=auth) as resp:
+                    text = await resp.text()
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None
+            if resp.status in (401, 403):
+                return None
+            found = None
+            with contextlib.suppress(ValueError, LookupError, TypeError):  # not vLLM's card
+                found = json.loads(text)["data"][0]["max_model_len"]
+            self._contexts[decode_url] = found if isinstance(found, int) else None
+        return self._contexts[decode_url]
+
+    async def relay(
+        self, request: web.Request, url: str, data: bytes, headers: dict[str, str], stored: bool
+    ) -> web.StreamResponse:
+        """``url``'s answer to the client's request, streamed back; a 404 for a ``stored``
+        response is raised (`held`: another decode may hold it)."""
+        assert self.session is not None
+        target = url + request.path_qs
+        try:
+            resp = await self.session.request(
+                request.method, target, data=data, headers=headers, timeout=leg_timeout()
+            )
+        except UNANSWERED as exc:
+            raise NoAnswer(
+                503, f"decode {target} is unreachable: {exc or 'no connection'}"
+            ) from None
+        except aiohttp.ClientError as exc:
+            raise LegError(503, f"decode {target} is unreachable: {exc}") from None
+        try:
+            if resp.status == 404 and stored:
+                missing = None
+                with contextlib.suppress(ValueError, aiohttp.ClientError):
+                    missing = await resp.json(content_type=None)
+                raise LegError(404, f"decode {url}: HTTP 404", missing)
+            kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
+            out = web.StreamResponse(status=resp.status, headers=kept)
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            return out
+        finally:
+            resp.close()
+
+    async def health(self, url: str) -> str:
+        assert self.session is not None
+        try:
+            timeout = aiohttp.ClientTimeout(total=3)
+            async with self.session.get(url + "/health", timeout=timeout) as resp:
+                return "ok" if resp.status == 200 else f"HTTP {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return f"unreachable: {exc or type(exc).__name__}"
+
+
+def credentials(request: web.Request) -> dict[str, str]:
+    """The client's headers that the legs carry: its credentials, for the backends to check
+    (``vllm serve --api-key``), and its request id, which vLLM takes as the request's own (so
+    both legs' logs name the client's id, as behind llm-d's sidecar)."""
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+def response_of(out: Sink) -> web.StreamResponse:
+    """The client's response that ``out`` writes to."""
+    return out.response if isinstance(out, prompt_lists.Part) else out
+
+
+def answer_of(response: web.StreamResponse) -> tuple[int, dict[str, Any]]:
+    """A non-streamed answer's status and JSON body."""
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+    return response.status, json.loads(response.body)
+
+
+def leg_timeout(
+    total: float | None = None, sock_read: float | None = None
+) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total, sock_read=sock_read, sock_connect=CONNECT_TIMEOUT_S)
