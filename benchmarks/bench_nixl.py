@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat  # noqa: E402
+from vllm_qaic_connector.kv.staging_format import StagingFormat  # noqa: E402
+from vllm_qaic_connector.layout import KVGeometry  # noqa: E402
 from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller  # noqa: E402
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget  # noqa: E402

@@ -31,7 +31,8 @@ from vllm.tokenizers import get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.model_weights import checkpoint_fingerprint, kv_settings
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key

@@ -40,13 +40,9 @@ import numpy as np
 import torch
 
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.layout import (
-    KVGeometry,
-    StagingFormat,
-    blocks_for_tokens,
-    gather_tokens,
-    get_layout,
-)
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import gather_tokens
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.tickets import (

@@ -38,7 +38,9 @@ from emulator.qaic_emulator import build_manifest  # noqa: E402
 from testbed.model import MODEL_DIR, TINY  # noqa: E402
 from testbed.nixl_peer import decode as decode_endpoint  # noqa: E402
 from testbed.nixl_peer import encode as encode_endpoint  # noqa: E402
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, copy_tokens  # noqa: E402
+from vllm_qaic_connector.kv.staging_format import StagingFormat  # noqa: E402
+from vllm_qaic_connector.kv.token_copies import copy_tokens  # noqa: E402
+from vllm_qaic_connector.layout import KVGeometry  # noqa: E402
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller  # noqa: E402
 from vllm_qaic_connector.qaic.target import SlotTarget  # noqa: E402
 from vllm_qaic_connector.tickets import (  # noqa: E402

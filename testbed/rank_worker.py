@@ -22,14 +22,9 @@ from vllm_qaic_connector.kv.kv_groups import (
     staged_starts,
     tokens_to_load,
 )
+from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
-from vllm_qaic_connector.layout import (
-    KVGeometry,
-    VllmPagedLayout,
-    blocks_for_tokens,
-    gather_tokens,
-    get_layout,
-)
+from vllm_qaic_connector.layout import KVGeometry, VllmPagedLayout, blocks_for_tokens, get_layout
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,

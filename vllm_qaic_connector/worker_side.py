@@ -22,10 +22,7 @@ from vllm_qaic_connector.kv.kv_groups import (
     groups_of,
 )
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
-from vllm_qaic_connector.layout import (
-    KVGeometry,
-    KVLayout,
-)
+from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import (

@@ -19,7 +19,7 @@ from testbed.rank_worker import (
     run_handoff,
 )
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
-from vllm_qaic_connector.layout import gather_tokens
+from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES
 from vllm_qaic_connector.worker import request_saves

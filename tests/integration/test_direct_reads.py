@@ -17,7 +17,8 @@ from testbed.rank_worker import vllm_kv_caches
 from testbed.ranks import rank_meta
 from testbed.vllm_harness import free_blocks, make_request, make_scheduler, meta, params_of, step
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.layout import KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.kv.token_copies import block_runs, gather_tokens
+from vllm_qaic_connector.layout import KVGeometry, get_layout
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
@@ -81,7 +82,8 @@ def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_pat
 import torch, msgspec
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.worker.direct_reads import DirectReader
-from vllm_qaic_connector.layout import KVGeometry, gather_tokens, get_layout
+from vllm_qaic_connector.layout import KVGeometry, get_layout
+from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.protocol.wire import SharedCache
 cache = msgspec.json.decode({msgspec.json.encode(cache)!r}, type=SharedCache)
 geo = KVGeometry(2, 32, 16, torch.float16)

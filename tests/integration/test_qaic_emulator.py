@@ -19,7 +19,9 @@ from aiohttp.test_utils import TestClient, TestServer
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
 from testbed.model import MODEL_DIR, ROOT, TINY
 from testbed.shm import segments
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens, copy_tokens
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import copy_tokens
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (

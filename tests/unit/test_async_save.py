@@ -14,12 +14,9 @@ import torch
 
 from testbed.rank_worker import make_worker
 from vllm_qaic_connector import tickets
-from vllm_qaic_connector.layout import (
-    KVGeometry,
-    StagingFormat,
-    blocks_for_tokens,
-    gather_tokens,
-)
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import gather_tokens
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import (
     HEADER_BYTES,

@@ -10,14 +10,9 @@ import torch
 
 from vllm_qaic_connector.kv import device_copies
 from vllm_qaic_connector.kv.device_copies import mirrored_copy
-from vllm_qaic_connector.layout import (
-    HeadRange,
-    KVGeometry,
-    StagingFormat,
-    blocks_for_tokens,
-    copy_layers,
-    get_layout,
-)
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import HeadRange, copy_layers
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 
 LAYERS, HEADS, HEAD_DIM, N = 3, 4, 8, 45
 CPU = torch.device("cpu")
@@ -92,7 +87,7 @@ def test_a_staged_window_that_is_not_consecutive_is_refused():
 def test_layers_evenly_spaced_in_one_allocation_stack_into_one_view():
     """On a GPU a copy covers every layer at once where each side's layers stack: as
     vLLM allocates its caches and as staging lays a request out, never otherwise."""
-    from vllm_qaic_connector.layout import _stacked
+    from vllm_qaic_connector.kv.token_copies import _stacked
 
     whole = torch.arange(4 * 2 * 3 * 5, dtype=torch.float32).view(4, 2, 3, 5)
     planes = [t[:, :, :3] for t in whole]  # K of each layer: strided, evenly spaced

@@ -12,25 +12,26 @@ from hypothesis import strategies as st
 
 from testbed.rank_worker import vllm_kv_caches
 from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
+from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV
 from vllm_qaic_connector.kv.layout_probe import (
     ISA_PACKINGS,
     attention_isa,
     cpu_layout,
     matches_vllm_op,
 )
-from vllm_qaic_connector.layout import (
-    CPU_PACKINGS,
-    LAYOUTS,
-    VLLM_ORDERS,
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import (
     HeadRange,
-    KVGeometry,
-    PackedKV,
-    StagingFormat,
-    blocks_for_tokens,
     copy_tokens,
     gather_tokens,
-    get_layout,
     plan_token_runs,
+)
+from vllm_qaic_connector.layout import (
+    LAYOUTS,
+    VLLM_ORDERS,
+    KVGeometry,
+    blocks_for_tokens,
+    get_layout,
 )
 
 HEADS, HEAD = 2, 32

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from testbed.shm import segments
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, gather_tokens, get_layout
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import gather_tokens
+from vllm_qaic_connector.layout import KVGeometry, get_layout
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
 from vllm_qaic_connector.transports.shm import SHM_DIR
 

@@ -24,8 +24,9 @@ from testbed.vllm_harness import (
 )
 from vllm_qaic_connector.kv.kv_groups import groups_of, state_bytes
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mamba2_splits, mixer_splits
+from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.tp_mapping import reads_needed, source_ranks
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat
+from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import compat_hash
 from vllm_qaic_connector.transports.shm import SharedSegment
 

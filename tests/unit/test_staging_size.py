@@ -16,7 +16,8 @@ from vllm_qaic_connector.config import (
     parse_config,
     sized_staging,
 )
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.scheduler.staging import StagingPool
 from vllm_qaic_connector.tickets import HEADER_BYTES
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_qaic_connector import layout
-from vllm_qaic_connector.kv import stream_copy
+from vllm_qaic_connector.kv import stream_copy, token_copies
 from vllm_qaic_connector.kv.byte_runs import BlockExtents, block_ranges
-from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, block_runs, gather_tokens, get_layout
+from vllm_qaic_connector.kv.token_copies import block_runs, gather_tokens
+from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 
 GEO = KVGeometry(num_heads=2, head_size=32, block_size=16, dtype=torch.float16)
 
@@ -46,14 +46,14 @@ def test_address_arrays_of_different_lengths_and_bad_plans_are_refused():
     with pytest.raises(ValueError, match="one length"):
         stream_copy.copy_ranges(one, one, np.zeros(2, dtype=np.uint64))
     two = np.zeros(2, dtype=np.uint64)
-    rows = layout.BlockRows(1, 1, 64, 0, 0, 0, 0)
+    rows = stream_copy.BlockRows(1, 1, 64, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="one length"):
         rows.copy(one, two)
-    tiles = layout.BlockTiles(1, 8, 8, 2, 0, 16, 2, 0, 2, 16)
+    tiles = stream_copy.BlockTiles(1, 8, 8, 2, 0, 16, 2, 0, 2, 16)
     with pytest.raises(ValueError, match="one length"):
         tiles.copy(one, two)
     with pytest.raises(ValueError, match="item 1/2/4/8"):  # 3-byte elements: no such copy
-        layout.BlockTiles(1, 8, 8, 3, 0, 24, 3, 0, 3, 24).copy(one, one)
+        stream_copy.BlockTiles(1, 8, 8, 3, 0, 24, 3, 0, 3, 24).copy(one, one)
 
 
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
@@ -112,16 +112,16 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     """Re-blocked (32 -> 16), shifted, a head range, shuffled blocks: the native row copies
     and numpy's must leave identical caches; every pair must copy rows natively, and
     vllm_cpu's transposed K against any other layout as native transposes."""
-    calls: list[layout.BlockRows] = []
-    tiles: list[layout.BlockTiles] = []
+    calls: list[stream_copy.BlockRows] = []
+    tiles: list[stream_copy.BlockTiles] = []
 
     copy_rows, copy_tiles = stream_copy.BlockRows.copy, stream_copy.BlockTiles.copy
 
-    def counted(rows: layout.BlockRows, src: np.ndarray, dst: np.ndarray) -> None:
+    def counted(rows: stream_copy.BlockRows, src: np.ndarray, dst: np.ndarray) -> None:
         calls.append(rows)
         copy_rows(rows, src, dst)
 
-    def counted_tiles(t: layout.BlockTiles, src: np.ndarray, dst: np.ndarray) -> None:
+    def counted_tiles(t: stream_copy.BlockTiles, src: np.ndarray, dst: np.ndarray) -> None:
         tiles.append(t)
         copy_tiles(t, src, dst)
 
@@ -132,20 +132,20 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
     src_blocks, dst_blocks = [6, 1, 3, 7, 0], [11, 2, 3, 4, 5, 9, 0, 1, 13, 8, 14]
     results = []
     for native in (True, False):
-        monkeypatch.setattr(layout, "NATIVE", native)
+        monkeypatch.setattr(token_copies, "NATIVE", native)
         monkeypatch.setattr(stream_copy.BlockRows, "copy", counted)
         monkeypatch.setattr(stream_copy.BlockTiles, "copy", counted_tiles)
         dst = get_layout(dst_kind).allocate(16, dst_geo)
         views = (get_layout(src_kind).kv_views(src, src_geo),
                  get_layout(dst_kind).kv_views(dst, dst_geo))  # fmt: skip
-        layout.copy_tokens(views[0], src_blocks, views[1], dst_blocks, 5, 70,
-                           layout.HeadRange(1, 3, 0), dst_t0=13)  # fmt: skip
+        token_copies.copy_tokens(views[0], src_blocks, views[1], dst_blocks, 5, 70,
+                           token_copies.HeadRange(1, 3, 0), dst_t0=13)  # fmt: skip
         results.append(dst)
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
     assert results[0].any()
     # rows of every pair go native (V's at least), none shorter than the floor; a packed
     # side (amx) is copied through canonical blocks, which are not vec's transposed K
-    assert calls and all(r.chunk >= layout.MIN_ROW_BYTES for r in calls)
+    assert calls and all(r.chunk >= token_copies.MIN_ROW_BYTES for r in calls)
     assert bool(tiles) == ((src_kind == "vllm_cpu_vec") != (dst_kind == "vllm_cpu_vec"))
 
 
@@ -165,9 +165,9 @@ def test_vllm_cpu_keys_are_transposed_natively_to_and_from_a_slot(into_cpu):
     )
     cpu_kv, slot_kv = cpu.kv_views(layers[0], cpu_geo), slot.kv_views(layers[1], slot_geo)
     if into_cpu:
-        layout.copy_tokens(slot_kv, [1], cpu_kv, cpu_blocks, 0, n)
+        token_copies.copy_tokens(slot_kv, [1], cpu_kv, cpu_blocks, 0, n)
     else:
-        layout.copy_tokens(cpu_kv, cpu_blocks, slot_kv, [1], 0, n)
+        token_copies.copy_tokens(cpu_kv, cpu_blocks, slot_kv, [1], 0, n)
     for want, got in zip(gather_tokens(cpu_kv, cpu_blocks, n), gather_tokens(slot_kv, [1], n),
                          strict=True):  # fmt: skip
         assert torch.equal(want.view(torch.int16), got.view(torch.int16))
@@ -179,4 +179,4 @@ def test_block_ids_outside_the_cache_are_refused_before_a_native_copy():
     hnd = get_layout("LBHNC")
     src, dst = hnd.kv_views(hnd.allocate(4, geo), geo), hnd.kv_views(hnd.allocate(4, geo), geo)
     with pytest.raises(IndexError, match="outside 0..3"):
-        layout.copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)
+        token_copies.copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)

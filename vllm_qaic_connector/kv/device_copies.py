@@ -21,7 +21,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from vllm_qaic_connector.layout import KV, HeadRange, copy_layers, tokens_bytes
+from vllm_qaic_connector.kv.token_copies import HeadRange, copy_layers, tokens_bytes
+from vllm_qaic_connector.layout import KV
 
 SCRATCH_BYTES = 256 << 20  # device memory a copy borrows beside vLLM's KV cache
 

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_qaic_connector.layout import (
-    KVGeometry,
-    KVLayout,
-    gather_tokens,
-    get_layout,
-)
+from vllm_qaic_connector.kv.token_copies import gather_tokens
+from vllm_qaic_connector.layout import KVGeometry, KVLayout, get_layout
 from vllm_qaic_connector.logs import get_logger
 
 logger = get_logger(__name__)

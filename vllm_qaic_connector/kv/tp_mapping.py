@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vllm_qaic_connector.layout import HeadRange
+from vllm_qaic_connector.kv.token_copies import HeadRange
 
 
 def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> range:

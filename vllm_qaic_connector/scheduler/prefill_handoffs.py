@@ -23,7 +23,8 @@ from vllm_qaic_connector.kv.kv_groups import (
     staged_starts,
     state_bytes,
 )
-from vllm_qaic_connector.layout import KVGeometry, StagingFormat, blocks_for_tokens
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.peers import PeerDirectory

@@ -30,7 +30,8 @@ import torch
 from vllm_qaic_connector.kv.byte_runs import BlockExtents, ByteRun, block_ranges, merged
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.stream_copy import copy_ranges
-from vllm_qaic_connector.layout import KVGeometry, KVLayout, block_runs
+from vllm_qaic_connector.kv.token_copies import block_runs
+from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import RankMetadata, SharedCache, TransportEndpoint
 from vllm_qaic_connector.worker.this_rank import LocalCache

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.kv.token_copies import layer_runs
 from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, source_ranks
-from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout, layer_runs
+from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory

@@ -13,7 +13,8 @@ import torch
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.layout import blocks_for_tokens, layer_runs, tokens_bytes
+from vllm_qaic_connector.kv.token_copies import layer_runs, tokens_bytes
+from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec

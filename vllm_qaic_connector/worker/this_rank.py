@@ -8,7 +8,8 @@ import torch
 
 from vllm_qaic_connector.kv.kv_groups import layer_starts
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
-from vllm_qaic_connector.layout import KVGeometry, KVLayout, StagingFormat
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.layout import KVGeometry, KVLayout
 
 Views = tuple[torch.Tensor, torch.Tensor]
 
