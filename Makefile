@@ -47,4 +47,4 @@ soak: setup
 # and open loop at the aggregated server's throughput.
 .PHONY: compare
 compare: setup
-	$(PY) benchmarks/compare_e2e.py --json compare_e2e.json --plot compare_e2e.png
+	$(PY) -m benchmarks.compare_e2e --json compare_e2e.json --plot compare_e2e.png

@@ -37,15 +37,13 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_qaic_connector.kv.staging_format import StagingFormat  # noqa: E402
-from vllm_qaic_connector.layout import KVGeometry  # noqa: E402
-from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
-from vllm_qaic_connector.qaic.slot_pull import SlotPuller  # noqa: E402
-from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget  # noqa: E402
-from vllm_qaic_connector.tickets import HEADER_BYTES, seal  # noqa: E402
-from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
+from vllm_qaic_connector.qaic.slot_pull import SlotPuller
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
+from vllm_qaic_connector.tickets import HEADER_BYTES, seal
+from vllm_qaic_connector.transports.nixl import NixlTransport
 
 SIZES = [64 << 10, 1 << 20, 64 << 20, 256 << 20]
 STAGING = (256 << 20) + (1 << 20)  # the NIXL read rows; the staged slot request follows it

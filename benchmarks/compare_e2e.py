@@ -2,7 +2,7 @@
 vLLM's NixlConnector (CPU host buffer), 1P1D on the shipped model, same prompts.
 
     make compare                                   # 64 prompts, concurrency 8 and 1
-    .venv/bin/python benchmarks/compare_e2e.py --quick --json out.json --plot out.png
+    .venv/bin/python -m benchmarks.compare_e2e --quick --json out.json --plot out.png
 
 Each setup gets its own real servers (every thread of the prefill on core 0, of the decode
 on core 1, the proxy in front and this client on core 1; aggregated: one server on core 0),
@@ -39,8 +39,7 @@ from typing import Any
 import aiohttp
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from testbed.live_servers import (  # noqa: E402
+from testbed.live_servers import (
     ANSWER_TOKENS,
     LiveRun,
     Server,
@@ -199,7 +198,7 @@ def summarize(setup: str, conc: int, arrivals: float, samples: list[Streamed],
     prefill = [s.prefill_s for s in ok]
     texts = [s.text for s in samples]
     same = sum(t == r for t, r in zip(texts, ref or texts, strict=True))
-    from copy_task import is_correct  # on sys.path through testbed.live_servers
+    from testbed.copy_task import is_correct
 
     return Row(
         setup, conc, arrivals, len(samples),

@@ -2,7 +2,7 @@
 closed loop of `compare_e2e.py` (same servers, placement and prompts), read from
 ``/proc/<pid>/stat`` before and after.
 
-    .venv/bin/python benchmarks/cpu_split.py [--setups aggregated qaic-shm] [--prompts 64]
+    .venv/bin/python -m benchmarks.cpu_split [--setups aggregated qaic-shm] [--prompts 64]
 
 A process's figure is what the kernel charged it, spinning included (vLLM's CPU worker
 polls its message queue for a second after each step), so it is occupancy, not work.
@@ -14,9 +14,8 @@ import argparse
 import asyncio
 import time
 
-from compare_e2e import ANSWER_TOKENS, copy_prompts, pin, process_cpu, send_all, start
-
-from testbed.live_servers import LiveRun, Server  # compare_e2e put the root on sys.path
+from benchmarks.compare_e2e import ANSWER_TOKENS, copy_prompts, pin, process_cpu, send_all, start
+from testbed.live_servers import LiveRun, Server
 
 
 def cpu_by_process(servers: list[Server]) -> dict[tuple[str, int, str], float]:

@@ -18,8 +18,7 @@ from pathlib import Path
 import aiohttp
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import copy_task  # noqa: E402
+from testbed import copy_task
 
 
 def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple[str, str | None]]:

@@ -1,7 +1,7 @@
 """Greedy exact-match accuracy of the tiny copy model on held-out prompts.
 
-    python scripts/eval_tiny_model.py --model models/tiny-copy           # expect ~1.0
-    python scripts/eval_tiny_model.py --model models/tiny-copy --zero-kv # expect < 0.3
+    python -m scripts.eval_tiny_model --model models/tiny-copy           # expect ~1.0
+    python -m scripts.eval_tiny_model --model models/tiny-copy --zero-kv # expect < 0.3
 
 --zero-kv zeroes every K/V of the prompt prefix before decoding, showing that
 the answer really depends on the cached prompt (what a KV connector transfers).
@@ -10,14 +10,11 @@ the answer really depends on the cached prompt (what a KV connector transfers).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import copy_task as ct  # noqa: E402
+from testbed import copy_task as ct
 
 
 @torch.no_grad()

@@ -237,7 +237,7 @@ for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
 done
 
 run_prompts() {  # label url out num_prompts [extra args]
-  "$PY" scripts/accuracy_check.py run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
+  "$PY" -m scripts.accuracy_check run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
     --num-prompts "$4" --concurrency "$CONCURRENCY" --out "$3" "${@:5}"
 }
 DECODE_METRICS_URLS=(); for port in "${D_PORTS[@]}"; do DECODE_METRICS_URLS+=("http://127.0.0.1:$port"); done
@@ -267,7 +267,7 @@ MIN_ACC=0.95; [ "$TASK" = text ] && MIN_ACC=0
 # QAIC: agreement >= 99% (transformers decodes, not vLLM's kernels); more gates below.
 MIN_AGREEMENT=100; [ "$DECODE_TARGET" = qaic ] && MIN_AGREEMENT=99
 set +e
-"$PY" scripts/accuracy_check.py verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
+"$PY" -m scripts.accuracy_check verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
   --decode-metrics "${METRICS[@]}" "${PEER_ARGS[@]}" "${LONE_ARGS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
   --min-agreement "$MIN_AGREEMENT" > "$RUN_DIR/verdict.txt"
 status=$?

@@ -1,6 +1,6 @@
 """Train a tiny Llama on the copy task (CPU, deterministic) and save an HF dir.
 
-Usage: python scripts/train_tiny_model.py --out models/tiny-copy
+Usage: python -m scripts.train_tiny_model --out models/tiny-copy
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from pathlib import Path
 
@@ -18,8 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import copy_task as ct  # noqa: E402
+from testbed import copy_task as ct
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

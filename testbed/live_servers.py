@@ -25,7 +25,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -37,7 +36,7 @@ import aiohttp
 import pytest
 import requests
 
-from testbed import serve
+from testbed import copy_task, serve
 from testbed.model import MODEL_DIR, PY, ROOT
 from testbed.ports import free_port
 from testbed.shm import (
@@ -54,8 +53,6 @@ MODEL = MODEL_DIR
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 15.0
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import copy_task  # noqa: E402
 
 ANSWER_TOKENS = copy_task.answer_max_tokens()
 

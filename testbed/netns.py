@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from testbed.model import ROOT
+
 
 def run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -45,6 +47,7 @@ class VethLink:
         done = subprocess.run(
             [*self.exec_in(side), sys.executable, *argv],
             env={**os.environ, **self.tcp_env(side)},
+            cwd=ROOT,  # where `-m testbed...` finds the testbed
             capture_output=True,
             text=True,
             timeout=timeout,

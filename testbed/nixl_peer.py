@@ -25,10 +25,8 @@ import time
 import msgspec
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
-from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
+from vllm_qaic_connector.transports.nixl import NixlTransport
 
 SIZE = (12 << 20) + 4099  # odd, so the last range ends off any alignment
 SEED = 1234
@@ -36,7 +34,8 @@ SEED = 1234
 RANGES = [(0, 4096), (1, 1), (13, 1000), (4097, 65537), (SIZE - 777, 777), (12345, 8 << 20)]
 
 
-PEER_SCRIPT = os.path.abspath(__file__)
+PEER_SCRIPT = os.path.abspath(__file__)  # run by path: it imports only the package
+ROOT = os.path.dirname(os.path.dirname(PEER_SCRIPT))
 
 
 class Peer:
@@ -50,6 +49,7 @@ class Peer:
             stderr=subprocess.STDOUT,  # nixl's logs, kept for failure messages
             text=True,
             env={**os.environ, **(env or {})},
+            cwd=ROOT,  # where `-m testbed...` finds the testbed
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []

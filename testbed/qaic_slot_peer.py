@@ -22,36 +22,31 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-import copy_task  # noqa: E402
-from eval_tiny_model import greedy_answer  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
-
-from emulator.qaic_emulator import build_manifest  # noqa: E402
-from testbed.model import MODEL_DIR, TINY  # noqa: E402
-from testbed.nixl_peer import decode as decode_endpoint  # noqa: E402
-from testbed.nixl_peer import encode as encode_endpoint  # noqa: E402
-from vllm_qaic_connector.kv.staging_format import StagingFormat  # noqa: E402
-from vllm_qaic_connector.kv.token_copies import copy_tokens  # noqa: E402
-from vllm_qaic_connector.layout import KVGeometry  # noqa: E402
-from vllm_qaic_connector.qaic.slot_pull import SlotPuller  # noqa: E402
-from vllm_qaic_connector.qaic.target import SlotTarget  # noqa: E402
-from vllm_qaic_connector.tickets import (  # noqa: E402
+from emulator.qaic_emulator import build_manifest
+from scripts.eval_tiny_model import greedy_answer
+from testbed import copy_task
+from testbed.model import MODEL_DIR, TINY
+from testbed.nixl_peer import decode as decode_endpoint
+from testbed.nixl_peer import encode as encode_endpoint
+from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.token_copies import copy_tokens
+from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.qaic.slot_pull import SlotPuller
+from vllm_qaic_connector.qaic.target import SlotTarget
+from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
     Generations,
     RegionHeaders,
     StaleTicket,
     new_incarnation,
 )
-from vllm_qaic_connector.transports import staging_name  # noqa: E402
-from vllm_qaic_connector.transports.nixl import NixlTransport  # noqa: E402
+from vllm_qaic_connector.transports import staging_name
+from vllm_qaic_connector.transports.nixl import NixlTransport
 
 MODEL = str(MODEL_DIR)
 L, H, D, EOS = TINY.layers, TINY.kv_heads, TINY.head_size, TINY.eos

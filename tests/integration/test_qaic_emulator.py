@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +16,9 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
-from testbed.model import MODEL_DIR, ROOT, TINY
+from scripts.eval_tiny_model import greedy_answer
+from testbed import copy_task
+from testbed.model import MODEL_DIR, TINY
 from testbed.shm import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import copy_tokens
@@ -40,9 +41,6 @@ from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 
 MODEL = str(MODEL_DIR)
-sys.path.insert(0, str(ROOT / "scripts"))
-import copy_task  # noqa: E402
-from eval_tiny_model import greedy_answer  # noqa: E402
 
 L, H, D, EOS = TINY.layers, TINY.kv_heads, TINY.head_size, TINY.eos
 CTX = 512

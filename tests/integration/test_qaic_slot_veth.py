@@ -10,13 +10,13 @@ import sys
 import nixl  # noqa: E402, F401  (NIXL missing is a failure, never a skip)
 import pytest
 
-from testbed.model import ROOT, TINY  # noqa: E402
+from testbed.model import TINY  # noqa: E402
 from testbed.netns import rx_bytes, veth_link  # noqa: E402
 from testbed.nixl_peer import Peer  # noqa: E402
 from testbed.shm import segments  # noqa: E402
 from vllm_qaic_connector.transports.shm import SHM_DIR  # noqa: E402
 
-PEER = ROOT / "testbed" / "qaic_slot_peer.py"
+PEER = ["-m", "testbed.qaic_slot_peer"]  # run from the repository root (netns.py)
 PID = os.getpid()
 pytestmark = [pytest.mark.nixl, pytest.mark.netns]
 PROMPTS = 3
@@ -33,13 +33,13 @@ def test_nixl_pull_into_qaic_slots_across_a_veth_link():
         with veth_link(f"qs{PID}", "10.78.0") as link:
             rx_before = rx_bytes(link.ns_b, link.dev_b)
             prefill = Peer(
-                [*link.exec_in("a"), sys.executable, str(PEER), "prefill"]
+                [*link.exec_in("a"), sys.executable, *PEER, "prefill"]
                 + ["--tag", tag, "--prompts", str(PROMPTS)],
                 link.tcp_env("a"),
             )
             try:
                 staged = prefill.expect("STAGED", timeout=120)
-                argv = [str(PEER), "decode", staged, "--tag", tag]
+                argv = [*PEER, "decode", staged, "--tag", tag]
                 result, out, rc = link.run_result("b", argv, timeout=180)
                 prompts = result["prompts"]
                 assert len(prompts) == PROMPTS

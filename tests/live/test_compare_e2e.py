@@ -20,7 +20,7 @@ from testbed.model import ROOT
 
 def test_compare_e2e_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "rows.json", tmp_path / "ttft.png"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "compare_e2e.py"), "--quick"]
+    cmd = [sys.executable, "-m", "benchmarks.compare_e2e", "--quick"]
     proc = subprocess.run(
         [*cmd, "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=900, cwd=ROOT,

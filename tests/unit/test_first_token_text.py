@@ -14,7 +14,6 @@ the three servers: aggregated, prefill (one token) and decode (the rest), and th
 from __future__ import annotations
 
 import random
-import sys
 import time
 from typing import Any
 
@@ -24,12 +23,9 @@ from vllm.tokenizers import get_tokenizer
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
-from testbed.model import ROOT
+from scripts.make_random_model import SPECIAL, train_tokenizer
 from vllm_qaic_connector.tickets import prompt_hash
 from vllm_qaic_proxy.first_token import FirstToken
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from make_random_model import SPECIAL, train_tokenizer  # noqa: E402
 
 EOS = SPECIAL.index("<eos>")
 

@@ -1,7 +1,7 @@
 """Synthetic copy task shared by the tiny-model trainer and the accuracy harness.
 
-Pure Python (no torch) so the harness can import it cheaply:
-    sys.path.insert(0, "scripts"); import copy_task
+Pure Python (no torch) so the harness can import it cheaply: ``from testbed import
+copy_task``.
 
 Prompt: ``<bos> f3 f9 … [ s17 s3 … s40 ] f1 … ? [``
 Answer: ``s17 s3 … s40 ]`` (the model then emits ``<eos>``).
