@@ -9,6 +9,8 @@
   `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py; the proxy's
   modules go by their full name (`vllm_qaic_proxy.server`). Every *.py of both packages
   counts except __init__.py and __main__.py;
+- the import-rules table of docs/architecture.md leaves out of a room's "never" column a
+  module that an import contract in pyproject.toml forbids it;
 - a docstring of the code (packages, testbed, tests, scripts, benchmarks, emulator) names a
   file of the repository (``tests/live/test_faults.py``, ``docs/failures.md``) that does not
   exist.
@@ -20,6 +22,8 @@ import ast
 import re
 import sys
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vllm_qaic_connector"
@@ -86,8 +90,52 @@ def docstring_paths() -> list[str]:
     return problems
 
 
+# What the table's "never" cells say, as the module names they cover.
+HALVES = {"scheduler", "scheduler_side", "worker", "worker_side"}
+NEVER_WORDS = {
+    "either half": HALVES, "the worker half": {"worker", "worker_side"},
+    "the scheduler half": {"scheduler", "scheduler_side"}, "a transport": {"transports"},
+    "the connector": {"connector"}, "the proxy": {"vllm_qaic_proxy"}, "vllm": {"vllm"},
+    "torch": {"torch"}, "numpy": {"numpy"}, "qaic/": {"qaic"},
+}  # fmt: skip
+
+
+def import_rules() -> list[str]:
+    """Every contract's forbidden modules named in the "never" cell of each of its sources'
+    rows ("any other room": every module of the connector package)."""
+    section = ARCHITECTURE.read_text().split("\n## Import rules", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for room in re.findall(r"`([\w/]+)`", cells[0]):
+                rows[room.rstrip("/")] = cells[2].lower()
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    problems = []
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        for source in contract["source_modules"]:
+            room = source.removeprefix("vllm_qaic_connector.")
+            never = rows.get(room)
+            if never is None:
+                problems.append(f"docs/architecture.md: the import rules have no row for {room}")
+                continue
+            said = {m for words, mods in NEVER_WORDS.items() if words in never for m in mods}
+            said |= {m.strip("`/") for m in re.findall(r"`[\w/]+`", never)}
+            for forbidden in contract["forbidden_modules"]:
+                name = forbidden.removeprefix("vllm_qaic_connector.")
+                if name not in said and not (
+                    "any other room" in never and forbidden.startswith("vllm_qaic_connector.")
+                ):
+                    problems.append(
+                        f"docs/architecture.md: the import rules' row for {room} does not say "
+                        f"it never imports {name} (contract: {contract['name']!r})"
+                    )
+    return problems
+
+
 def main() -> int:
     problems = readme_length() + broken_links() + module_map() + docstring_paths()
+    problems += import_rules()
     for problem in problems:
         print(problem, file=sys.stderr)
     return 1 if problems else 0
