@@ -37,9 +37,9 @@ import pytest
 import requests
 
 from testbed import copy_task, serve
-from testbed.model import MODEL_DIR, PY, ROOT
 from testbed.ports import free_port
-from testbed.shm import (
+from testbed.shipped_model import MODEL_DIR, PY, ROOT
+from testbed.shm_objects import (
     LEAKABLE,
     QAIC_PREFIX,
     VLLM_LEFTOVERS,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from testbed.model import ROOT
+from testbed.shipped_model import ROOT
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:

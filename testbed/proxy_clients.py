@@ -36,7 +36,7 @@ from testbed.live_servers import (
     metric_samples,
     poll_until,
 )
-from testbed.model import TINY
+from testbed.shipped_model import TINY
 
 GENERATED = "vllm:generation_tokens_total"
 RUNNING = "vllm:num_requests_running"

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from testbed.model import MODEL_DIR, PY, ROOT, TINY
+from testbed.shipped_model import MODEL_DIR, PY, ROOT, TINY
 
 # vLLM's cache of what it learns by importing a model class in a subprocess (about 13 s of
 # CPU per start): shared by every server, as ~/.cache/vllm/modelinfos is in a normal

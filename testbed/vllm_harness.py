@@ -32,7 +32,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_qaic_connector
-from testbed.model import MODEL_DIR, TINY
+from testbed.shipped_model import MODEL_DIR, TINY
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import prompt_hash
 

@@ -37,10 +37,16 @@ from vllm_qaic_connector.transports import KVTransport, create_transport, stagin
 from vllm_qaic_connector.transports.shared_cache import host_identity
 from vllm_qaic_connector.worker.direct_reads import DirectReader, dense_blocks
 from vllm_qaic_connector.worker.loader import Loader
-from vllm_qaic_connector.worker.registration import local_cache, rank_metadata, rank_of
+from vllm_qaic_connector.worker.registration import (
+    LocalCache,
+    RankIdentity,
+    Views,
+    local_cache,
+    rank_metadata,
+    rank_of,
+)
 from vllm_qaic_connector.worker.request_loads import RequestLoads
 from vllm_qaic_connector.worker.request_saves import RequestSaves
-from vllm_qaic_connector.worker.this_rank import LocalCache, RankIdentity, Views
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import BS, make_request, make_scheduler, params_of, step
 from vllm_qaic_connector.config import is_loopback, parse_config
 from vllm_qaic_connector.protocol import side_channel

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from testbed import handoff_bench as bench
-from testbed.model import ROOT
-from testbed.shm import segments
+from testbed.shipped_model import ROOT
+from testbed.shm_objects import segments
 from vllm_qaic_connector.kv import copy_pool
 from vllm_qaic_connector.layout import LAYOUTS, KVGeometry, get_layout
 from vllm_qaic_connector.worker import direct_reads

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from testbed import handoff_bench as bench
-from testbed.rank_worker import (
+from testbed.worker_processes import (
     LAYERS,
     VLLM_LAYOUTS,
     VLLM_PAIRS,

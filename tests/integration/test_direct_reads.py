@@ -13,9 +13,9 @@ import pytest
 import torch
 from vllm.v1.outputs import KVConnectorOutput
 
-from testbed.rank_worker import vllm_kv_caches
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import free_blocks, make_request, make_scheduler, meta, params_of, step
+from testbed.worker_processes import vllm_kv_caches
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.token_copies import block_runs, gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, get_layout

@@ -19,7 +19,7 @@ import torch
 
 from testbed.netns import rx_bytes, veth_link
 from testbed.nixl_peer import PEER_SCRIPT, RANGES, SEED, SIZE, Peer, decode, encode, pattern  # noqa: E402
-from testbed.rank_worker import make_worker  # noqa: E402
+from testbed.worker_processes import make_worker  # noqa: E402
 from vllm_qaic_connector.protocol.wire import TransportEndpoint  # noqa: E402
 from vllm_qaic_connector.transports.nixl import NixlTransport, split_address  # noqa: E402
 

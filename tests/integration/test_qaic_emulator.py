@@ -18,8 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
 from scripts.eval_tiny_model import greedy_answer
 from testbed import copy_task
-from testbed.model import MODEL_DIR, TINY
-from testbed.shm import segments
+from testbed.shipped_model import MODEL_DIR, TINY
+from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import copy_tokens
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens

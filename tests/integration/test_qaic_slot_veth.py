@@ -10,10 +10,10 @@ import sys
 import nixl  # noqa: E402, F401  (NIXL missing is a failure, never a skip)
 import pytest
 
-from testbed.model import TINY  # noqa: E402
 from testbed.netns import rx_bytes, veth_link  # noqa: E402
 from testbed.nixl_peer import Peer  # noqa: E402
-from testbed.shm import segments  # noqa: E402
+from testbed.shipped_model import TINY  # noqa: E402
+from testbed.shm_objects import segments  # noqa: E402
 from vllm_qaic_connector.transports.shm import SHM_DIR  # noqa: E402
 
 PEER = ["-m", "testbed.qaic_slot_peer"]  # run from the repository root (netns.py)

@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from testbed.rank_worker import HEAD, LAYERS, VLLM_PAIRS, full_heads, make_worker, run_handoff
+from testbed.worker_processes import HEAD, LAYERS, VLLM_PAIRS, full_heads, make_worker, run_handoff
 from vllm_qaic_connector.kv.kv_groups import kept_start
 from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
 from vllm_qaic_connector.protocol.peers import PeerDirectory, check_ranks

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from testbed.live_servers import harness, harness_leaves_nothing, last_line, random_model, shm_names
-from testbed.model import ROOT
+from testbed.shipped_model import ROOT
 
 HETERO = {"NUM_PROMPTS": "24", "CONCURRENCY": "8"}
 ASYNC = {"ASYNC_SCHEDULING": "1"}  # as vLLM schedules on a GPU (testbed/cpu_async_scheduling.py)

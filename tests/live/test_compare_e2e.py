@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from testbed.model import ROOT
+from testbed.shipped_model import ROOT
 
 
 def test_compare_e2e_quick(tmp_path: Path) -> None:

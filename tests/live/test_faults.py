@@ -61,7 +61,7 @@ from testbed.live_servers import (
     token_ids,
     wait_all_ready,
 )
-from testbed.model import MODEL_DIR
+from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.tickets import prompt_hash
 

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from testbed.live_servers import harness, last_line, random_model
-from testbed.model import MODEL_DIR
-from testbed.shm import segments
+from testbed.shipped_model import MODEL_DIR
+from testbed.shm_objects import segments
 
 
 def _leftovers(tag: str) -> list[str]:

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from testbed.rank_worker import make_worker
+from testbed.worker_processes import make_worker
 from vllm_qaic_connector import tickets
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import gather_tokens

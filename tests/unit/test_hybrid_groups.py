@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
 from vllm.v1.outputs import KVConnectorOutput
 
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import make_request, make_scheduler, meta, params_of, remote_params, step
 from vllm_qaic_connector.kv.kv_groups import KVGroup, staged_starts, tokens_to_load, window_start
 
@@ -104,7 +104,7 @@ def test_staged_starts_never_go_before_what_the_prefill_still_holds():
 
 
 def test_a_failed_load_is_reported_by_request_and_never_names_the_null_block():
-    from testbed.rank_worker import make_worker
+    from testbed.worker_processes import make_worker
     from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata
 
     args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu_vec", window=WINDOW)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from testbed.rank_worker import vllm_kv_caches
+from testbed.worker_processes import vllm_kv_caches
 from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
 from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV
 from vllm_qaic_connector.kv.layout_probe import (

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from testbed.live_servers import lora_adapter, model_copy
-from testbed.model import MODEL_DIR
+from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.model_weights import (
     adapter_fingerprint,
     checkpoint_fingerprint,

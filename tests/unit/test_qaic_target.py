@@ -10,7 +10,7 @@ import msgspec
 import pytest
 import torch
 
-from testbed.shm import segments
+from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, get_layout

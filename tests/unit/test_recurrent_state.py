@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import (
     MAMBA_SHAPES,
     make_kv_cache_config,

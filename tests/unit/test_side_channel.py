@@ -6,7 +6,7 @@ import time
 import pytest
 import zmq
 
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import RETRY_AFTER_S, PeerDirectory, check_ranks
 from vllm_qaic_connector.protocol.side_channel import MAX_MESSAGE_BYTES, SideChannelServer

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from testbed import serve
-from testbed.model import MODEL_DIR, PY, ROOT, TINY
+from testbed.shipped_model import MODEL_DIR, PY, ROOT, TINY
 
 
 def test_the_tiny_geometry_is_the_shipped_models() -> None:

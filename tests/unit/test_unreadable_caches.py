@@ -19,8 +19,7 @@ from testbed.live_servers import random_model
 from testbed.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_qaic_connector.connector import QAICConnector
 from vllm_qaic_connector.layout import KVGeometry, get_layout
-from vllm_qaic_connector.worker.registration import local_cache
-from vllm_qaic_connector.worker.this_rank import RankIdentity
+from vllm_qaic_connector.worker.registration import RankIdentity, local_cache
 
 
 def test_a_model_with_multi_head_latent_attention_is_refused_by_name(tmp_path_factory):

@@ -13,7 +13,7 @@ import time
 import msgspec
 import pytest
 
-from testbed.ranks import rank_meta
+from testbed.handshake_ranks import rank_meta
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer, call
 from vllm_qaic_connector.protocol.wire import (
@@ -99,7 +99,7 @@ def test_only_a_drafter_with_kv_of_its_own_is_named_in_the_handshake():
     failed every load when the drafter was named). A draft model is named by its weights."""
     from vllm.config import SpeculativeConfig
 
-    from testbed.model import MODEL_DIR
+    from testbed.shipped_model import MODEL_DIR
     from testbed.vllm_harness import make_vllm_config
     from vllm_qaic_connector.worker.registration import drafter_of, weights_fingerprint
 

@@ -34,7 +34,7 @@ from vllm_qaic_connector.kv.token_copies import block_runs
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import RankMetadata, SharedCache, TransportEndpoint
-from vllm_qaic_connector.worker.this_rank import LocalCache
+from vllm_qaic_connector.worker.registration import LocalCache
 
 logger = get_logger(__name__)  # in vLLM's logger tree, without importing it
 FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")

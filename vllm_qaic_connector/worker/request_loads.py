@@ -32,7 +32,7 @@ from vllm_qaic_connector.worker.direct_reads import (
     plan_cache_reads,
 )
 from vllm_qaic_connector.worker.loader import WriteGate
-from vllm_qaic_connector.worker.this_rank import LocalCache, RankIdentity
+from vllm_qaic_connector.worker.registration import LocalCache, RankIdentity
 
 logger = get_logger(__name__)
 

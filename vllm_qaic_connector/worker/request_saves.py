@@ -19,7 +19,7 @@ from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders
-from vllm_qaic_connector.worker.this_rank import LocalCache
+from vllm_qaic_connector.worker.registration import LocalCache
 
 logger = get_logger(__name__)
 

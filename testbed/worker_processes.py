@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from testbed.model import TINY
-from testbed.shm import segments
+from testbed.shipped_model import TINY
+from testbed.shm_objects import segments
 from vllm_qaic_connector import worker_side
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.kv.kv_groups import (
@@ -37,7 +37,7 @@ from vllm_qaic_connector.protocol.wire import (
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.worker import request_saves
-from vllm_qaic_connector.worker.this_rank import RankIdentity
+from vllm_qaic_connector.worker.registration import RankIdentity
 from vllm_qaic_connector.worker_side import WorkerSide
 
 HEAD, LAYERS, NUM_BLOCKS = TINY.head_size, TINY.layers, 24
@@ -199,7 +199,7 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
 # the worker once: a spawned one spends ~14 s of CPU importing vLLM and torch here. The
 # registration imports vLLM's model utils lazily (0.6 s a rank): preloaded too.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["testbed.rank_worker", "vllm.model_executor.models.utils"])
+CTX.set_forkserver_preload(["testbed.worker_processes", "vllm.model_executor.models.utils"])
 
 
 def start_ranks(target, tp: int, common: dict) -> tuple[list, list]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from testbed.model import TINY
+from testbed.shipped_model import TINY
 from vllm_qaic_connector.protocol.wire import RankMetadata, TransportEndpoint, compat_hash
 from vllm_qaic_connector.transports import staging_name
 
