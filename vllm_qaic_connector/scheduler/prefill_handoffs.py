@@ -143,7 +143,7 @@ class PrefillHandoffs:
     def admit(self, request: Request, params: dict[str, Any]) -> tuple[int | None, bool]:
         """Learn the decode's format, then reserve staging. Either may wait (None: vLLM
         asks again next step, other requests go on), each bounded."""
-        rid, now = request.request_id, time.monotonic()
+        rid, now, holder = request.request_id, time.monotonic(), _decode_named(params)
         out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
         if out.target is None and out.error is None:
             out.error = _unreturnable(rid)  # its ticket could never reach a decode
@@ -161,7 +161,6 @@ class PrefillHandoffs:
             out.target, out.waiting_since = target, now
         fmt = self._staging_format(request.num_prompt_tokens, out.target)
         self.releases.expire()  # an idle engine ran no step that would have freed them
-        holder = _decode_named(params)
         quota = self._quota(holder, now)
         try:
             kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
