@@ -11,8 +11,9 @@ then one summary and its gates; the exit code is non-zero when a gate fails:
 
 - no wrong answer (HTTP 200 with a wrong answer), no error and no stall (a request slower
   than --stall-s) among the requests that were not aborted;
-- the prefill's staging pages in use back to 0 after the run (polled, bounded; nothing is
-  sent to the prefill: it steps while it holds staging, so leases expire on time);
+- the prefill's staging pages in use back to 0 after the run (polled, bounded; the prefill
+  is sent a plain request every few seconds: hostile requests' leases may end after it
+  stopped stepping);
 - each server's RSS at the end <= RSS after warm-up * --rss-factor + --rss-slack-mib;
 - after stopping: no process of the run left, no new /dev/shm object (qaic_kv_* of this
   run's engines are never removed by the soak; vLLM's own leftovers are, as the harness does).
@@ -37,6 +38,7 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
+import requests
 
 from testbed.live_servers import (
     LiveRun,
@@ -237,9 +239,20 @@ def run_soak(args: argparse.Namespace) -> int:
 
         # Staging back to zero: leases of aborted/hostile handoffs run out.
         t_poll = time.monotonic()
-        # Nothing sent to the idle prefill: it steps while it holds staging.
-        reached, _ = poll_until(lambda: prefill.metric(PAGES_IN_USE, 0.0) == 0,
-                                args.lease_s + 30, 2.0)  # fmt: skip
+        # Hostile requests' tickets are never read: their leases may end after the prefill
+        # stopped stepping (STEP_AFTER_STAGING_S past its last handoff), and an idle engine
+        # takes no step that would report them gone. A plain request lets it step.
+        poke = copy_prompts(1, "soak-poke")[0][0]
+
+        def pages_zero() -> bool:
+            if prefill.metric(PAGES_IN_USE, 0.0) == 0:
+                return True
+            with contextlib.suppress(requests.RequestException):
+                body = completion_body(poke, 1)
+                requests.post(prefill.url + "/v1/completions", json=body, timeout=30)
+            return False
+
+        reached, _ = poll_until(pages_zero, args.lease_s + 30, 2.0)
         pages_end = prefill.metric(PAGES_IN_USE, 0.0)
         pages_s = time.monotonic() - t_poll
         rss_end = {name: s.rss() for name, s in servers.items()}

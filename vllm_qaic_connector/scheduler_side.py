@@ -4,6 +4,7 @@ layouts or transports."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)  # inside vLLM's logger tree, so it is printed
+# How long an idle prefill keeps stepping after it stages: a decode's read (well under a
+# second, unless it queues) shows in the gauge; a SIGTERM waits at most this long.
+STEP_AFTER_STAGING_S = 10.0
 
 
 class SchedulerSide:
@@ -188,10 +192,13 @@ class SchedulerSide:
         return self.handoffs.finished(request, loading=loading)
 
     def has_pending_push_work(self) -> bool:
-        """Staged KV still leased, or a gauge that has not yet said it went: vLLM keeps
-        stepping (its empty steps sleep 1 ms), so leases expire on time and the gauge falls
-        when a decode frees the pages, not at an idle prefill's next request."""
-        return self.pool.pages_in_use > 0 or self._published_pages > 0
+        """Staged KV held (or a gauge not yet told it went) within a while of the latest
+        handoff: vLLM keeps stepping (an empty step sleeps 1 ms), so the gauge falls when
+        the decode frees the pages and short leases expire on time, not at an idle
+        prefill's next request. Bounded, because vLLM ends a SIGTERM only once no work is
+        left: a ticket nobody reads must not hold a stopping prefill for its whole lease."""
+        held = self.pool.pages_in_use > 0 or self._published_pages > 0
+        return held and time.monotonic() < self.pool.last_allocated + STEP_AFTER_STAGING_S
 
     def pool_stats(self) -> QAICConnectorStats:
         stats = QAICConnectorStats()

@@ -40,6 +40,7 @@ class StagingPool:
         self._in_use = 0  # pages
         self._held_by: Counter[str] = Counter()  # pages, by holder
         self._next_expiry = math.inf  # no lease ends before this (renewals only delay)
+        self.last_allocated = -math.inf  # monotonic time of the latest run taken
         self._lock = threading.Lock()
 
     def pages_for(self, num_bytes: int) -> int:
@@ -77,6 +78,7 @@ class StagingPool:
             expires = (time.monotonic() if now is None else now) + self.lease_s
             self._next_expiry = min(self._next_expiry, expires)
             self._leases[request_id] = Lease(start, need, expires, holder)
+            self.last_allocated = time.monotonic() if now is None else now
             return start * self.page_bytes
 
     def release(self, request_id: str) -> bool:
