@@ -44,9 +44,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)  # inside vLLM's logger tree, so it is printed
-# How long an idle prefill keeps stepping after it stages: a decode's read (well under a
-# second, unless it queues) shows in the gauge; a SIGTERM waits at most this long.
-STEP_AFTER_STAGING_S = 10.0
+# How long an idle prefill keeps stepping after it stages: long enough for a decode's read
+# (well under a second, unless it queues) to show in the gauge, short because an idle
+# engine that steps takes ~1.6 cores here (engine core and worker, empty steps).
+STEP_AFTER_STAGING_S = 3.0
 
 
 class SchedulerSide:
@@ -194,9 +195,8 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Staged KV held (or a gauge not yet told it went) within a while of the latest
         handoff: vLLM keeps stepping (an empty step sleeps 1 ms), so the gauge falls when
-        the decode frees the pages and short leases expire on time, not at an idle
-        prefill's next request. Bounded, because vLLM ends a SIGTERM only once no work is
-        left: a ticket nobody reads must not hold a stopping prefill for its whole lease."""
+        the decode frees the pages, not at an idle prefill's next request. A lease that
+        ends later, unread, is freed and shown at the prefill's next step."""
         held = self.pool.pages_in_use > 0 or self._published_pages > 0
         return held and time.monotonic() < self.pool.last_allocated + STEP_AFTER_STAGING_S
 

@@ -699,10 +699,13 @@ class TestShm:
             answers = [f.result() for f in futures]
         assert c.decode.wait_gone(15), "the SIGKILLed decode's processes did not go"
         staged_at_kill = c.prefill.metric(PAGES_IN_USE, 0.0)
-        # The idle prefill steps while it holds staging: the dead decode's leases run out
-        # on time and the gauge says so, with no request sent to make it step.
-        wait_s = killed_at + LEASE_S + 5.0 - time.monotonic()
-        reached, _ = poll_until(lambda: c.prefill.metric(PAGES_IN_USE) == 0, wait_s, 0.25)
+        # An idle prefill steps only a few seconds past its latest handoff
+        # (STEP_AFTER_STAGING_S), so a lease of the dead decode's that ends later shows at
+        # its next step: let the lease run out, then give the prefill one plain request.
+        time.sleep(max(0.0, killed_at + LEASE_S + 1.0 - time.monotonic()))
+        (pp, _), *_ = c.prompts(1)
+        complete(c.prefill.url, pp, max_tokens=1)
+        reached, _ = poll_until(lambda: c.prefill.metric(PAGES_IN_USE) == 0, 10.0, 0.25)
         pages_left = c.prefill.metric(PAGES_IN_USE)
         (ps, _), *_ = c.prompts(1)
         params = stage(c.prefill.url, ps)  # raises if the prefill stopped serving
@@ -719,7 +722,7 @@ class TestShm:
         no_wrong(answers, "decode killed mid-transfer")
         assert reached, (
             f"prefill staging pages in use stayed at {pages_left:.0f} after the lease "
-            f"({LEASE_S}s) of the dead decode's requests ran out"
+            f"({LEASE_S}s) of the dead decode's requests ran out and the prefill stepped"
         )
 
     def test_d_no_decode_behind_the_proxy_leaves_the_requests_to_the_prefill(
