@@ -164,7 +164,7 @@ class PrefillHandoffs:
         quota = self._quota(holder, now)
         try:
             kv_bytes = 0 if out.target.direct else fmt.request_bytes(request.num_prompt_tokens)
-            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes, None, holder, quota)
+            offset = self.pool.allocate(rid, HEADER_BYTES + kv_bytes, holder=holder, quota=quota)
         except ValueError as exc:
             out.error = str(exc)
             return 0, False
