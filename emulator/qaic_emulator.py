@@ -55,7 +55,7 @@ from vllm_qaic_connector.protocol.wire import (
 from vllm_qaic_connector.qaic.buffers import apply_prefix
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, torch_dtype
-from vllm_qaic_connector.tickets import checked_read, new_incarnation, prompt_hash
+from vllm_qaic_connector.tickets import checked_read, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_proxy.server import MAX_REQUEST_BYTES
@@ -311,20 +311,20 @@ class Emulator:
             remote = parse_remote_prefill(params)
         except ValueError as exc:
             raise RequestError(400, str(exc)) from None
-        unusable = ticket_problem(remote, self.key)
-        if unusable:
+        if unusable := ticket_problem(remote, self.key):  # unsigned: never contacted
             raise RequestError(403, unusable)
         slot: int | None = None
         released = False
         try:
             prompt_ids = self._prompt_ids(body)
-            # The staged prompt, or (the proxy's first token from the prefill) it and one more.
-            if not remote.num_tokens <= len(prompt_ids) <= remote.num_tokens + 1:
+            # A program runs the base model ("": no LoRA adapter). The prompt is the staged
+            # one, or (the proxy's first token from the prefill) it and one more token.
+            if unusable := ticket_problem(remote, None, prompt=prompt_ids, adapter=""):
+                raise RequestError(400, unusable)
+            if len(prompt_ids) > remote.num_tokens + 1:
                 raise RequestError(
                     400, f"prompt is {len(prompt_ids)} tokens, staged KV {remote.num_tokens}"
                 )
-            if prompt_hash(prompt_ids[: remote.num_tokens]) != remote.prompt_hash:
-                raise RequestError(400, "kv_transfer_params were staged for another prompt")
             slot = await self._acquire_slot()
             try:
                 host, dma = await self._run(self._io, self._bind, slot, remote)

@@ -33,8 +33,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_qaic_connector
 from testbed.shipped_model import MODEL_DIR, TINY
+from vllm_qaic_connector.protocol.wire import prompt_hash
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
-from vllm_qaic_connector.tickets import prompt_hash
 
 MODEL = str(MODEL_DIR)
 EOS = TINY.eos

@@ -15,15 +15,13 @@ hands the save over; a reader that finds the promise waits, bounded, for the sea
 from __future__ import annotations
 
 import bisect
-import hashlib
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from vllm_qaic_connector.protocol.wire import TransportEndpoint
@@ -43,11 +41,6 @@ class StaleTicket(ConnectionError):
 def new_incarnation() -> str:
     """Names one engine start; unguessable, so segment names derived from it are too."""
     return secrets.token_hex(8)
-
-
-def prompt_hash(token_ids: Sequence[int]) -> str:
-    ids = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(ids, digest_size=16).hexdigest()
 
 
 class Generations:

@@ -35,8 +35,9 @@ from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
     RemotePrefill,
     compat_hash,
+    prompt_hash,
 )
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation, prompt_hash
+from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 
@@ -285,18 +286,21 @@ def test_refusals_free_the_slot_and_the_staging(tag):
             out = [await _post(client, prompt, None)]  # not a handoff
             out.append(await _post(client, prompt + " f1 f2", params))  # 2 tokens past it
             out.append(await _post(client, prompt.rsplit(" ", 1)[0], params))  # short of it
+            lora = {**params, "adapter": "0123456789abcdef"}  # a program runs the base model
+            out.append(await _post(client, prompt, lora))
             slot = await emu._acquire_slot()  # the only slot is busy
             out.append(await _post(client, prompt, params))
             emu._free_slot(slot)
             out.append(await _post(client, prompt, params))
             return out
 
-        (s1, b1), (s2, b2), (s2b, b2b), (s3, b3), (s4, _) = _run(emu, scenario)
+        (s1, b1), (s2, b2), (s2b, b2b), (s2c, b2c), (s3, b3), (s4, _) = _run(emu, scenario)
         assert s1 == 400 and "do_remote_prefill" in b1["error"]["message"]
         assert s2 == s2b == 400 and "tokens" in b2["error"]["message"] + b2b["error"]["message"]
+        assert s2c == 400 and "LoRA adapter 0123456789abcdef" in b2c["error"]["message"]
         assert s3 == 503 and "slots busy" in b3["error"]["message"]
         assert s4 == 200
-        assert prefill.released == ["r0"] * 4  # every handed-off request freed its staging
+        assert prefill.released == ["r0"] * 5  # every handed-off request freed its staging
         assert emu.slots_in_use == 0 and emu.counters["slot_wait_timeouts"] == 1
         assert emu.target.allocate_slot() == 0  # nothing leaked
     finally:

@@ -26,8 +26,9 @@ from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
+    prompt_hash,
 )
-from vllm_qaic_connector.tickets import HEADER_BYTES, prompt_hash
+from vllm_qaic_connector.tickets import HEADER_BYTES
 
 
 @pytest.fixture

@@ -81,6 +81,20 @@ def mixer_splits(
     return mamba2_splits([t.shape[1:] for t in tensors], heads, head_dim, groups, d_state, tp)
 
 
+def state_tensors(
+    name: str, caches: dict[str, Any], modules: dict[str, Any]
+) -> tuple[torch.Tensor, ...]:
+    # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds the
+    # state views (conv, SSM) its kernels use.
+    module = modules.get(name)
+    state = module.kv_cache if module is not None else caches[name]
+    if not isinstance(state, (list, tuple)) or not all(
+        isinstance(t, torch.Tensor) and t.dim() >= 2 for t in state
+    ):
+        raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
+    return tuple(state)
+
+
 @dataclass(frozen=True)
 class RecurrentState:
     """Each SSM layer's state tensors (``[blocks, ...]``, e.g. conv and SSM state), the KV
@@ -99,6 +113,21 @@ class RecurrentState:
             tuple(Split(0, ((self.tp_size, t.shape[1]),)) for t in layer) for layer in self.layers
         )
         object.__setattr__(self, "_splits", self.splits or whole)
+
+    @classmethod
+    def of_layers(
+        cls, names: Sequence[str], caches: dict[str, Any], modules: dict[str, Any],
+        groups: tuple[int, ...], ssm_groups: int | None, tp_size: int, tp_rank: int,
+    ) -> RecurrentState:  # fmt: skip
+        """The state of the Mamba layers ``names``, from vLLM's registered ``caches`` and
+        layer ``modules``; each layer's KV cache group; the model's B/C groups."""
+        states = [state_tensors(n, caches, modules) for n in names]
+        splits = [
+            mixer_splits(modules.get(n), t, ssm_groups, tp_size)
+            for n, t in zip(names, states, strict=True)
+        ]
+        known = () if None in splits else tuple(s for s in splits if s is not None)
+        return cls(tuple(states), groups, known, tp_size, tp_rank)
 
     def nbytes(self, tp: int | None = None, rank: int | None = None) -> int:
         """One request's state, every layer, on a rank (by default this one)."""

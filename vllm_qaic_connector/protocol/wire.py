@@ -11,7 +11,9 @@ import hashlib
 import hmac
 import re
 import secrets
+import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -357,19 +359,46 @@ def ticket_mac(params: RemotePrefill, key: bytes) -> str:
     return _mac(key, b"ticket", _encoder.encode(unsigned)).hex()
 
 
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    ids = struct.pack(f"<{len(token_ids)}q", *token_ids)  # as int64, little-endian
+    return hashlib.blake2b(ids, digest_size=16).hexdigest()
+
+
 def ticket_problem(
-    params: RemotePrefill, key: bytes | None, renewed_until: float = 0.0
+    params: RemotePrefill,
+    key: bytes | None,
+    renewed_until: float = 0.0,
+    prompt: Sequence[int] | None = None,
+    adapter: str | None = None,
 ) -> str | None:
-    """Why a decode must not use these params (a missing or wrong MAC, or an expired
-    lease, unless the prefill confirmed renewals until ``renewed_until``), or None."""
+    """Why a decode must not use these params, or None: a missing or wrong MAC first (so an
+    unsigned peer address is never contacted), then KV staged for another ``prompt`` or
+    with other weights than the request's LoRA ``adapter`` ("": none), then an expired
+    lease, unless the prefill confirmed renewals until ``renewed_until``."""
     if key is not None and not params.ticket_mac:
         return "ticket_mac is missing: this decode only accepts signed kv_transfer_params"
     if key is not None and not hmac.compare_digest(params.ticket_mac, ticket_mac(params, key)):
         return "ticket_mac does not match: the kv_transfer_params were forged or edited"
+    if prompt is not None and params.num_tokens > len(prompt):
+        return (
+            f"malformed kv_transfer_params: num_tokens={params.num_tokens} exceeds the "
+            f"prompt ({len(prompt)} tokens)"
+        )
+    if prompt is not None and prompt_hash(prompt[: params.num_tokens]) != params.prompt_hash:
+        return "kv_transfer_params were staged for another prompt (prompt_hash differs)"
+    if adapter is not None and adapter != params.adapter:
+        return (
+            f"the prefill computed this KV with {_weights(params.adapter)}, this request "
+            f"runs {_weights(adapter)}: other weights, other KV"
+        )
     late = time.time() - max(params.expires_at, renewed_until)
     if late > 0:
         return f"the ticket expired {late:.1f}s ago (lease_s={params.lease_s})"
     return None
+
+
+def _weights(adapter: str) -> str:
+    return f"LoRA adapter {adapter}" if adapter else "the base model (no LoRA adapter)"
 
 
 def parse_remote_prefill(params: dict[str, Any]) -> RemotePrefill:

@@ -21,7 +21,6 @@ from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.scheduler.shared_tickets import SharedTickets, ticket_key
 from vllm_qaic_connector.step_metadata import LoadSpec
-from vllm_qaic_connector.tickets import prompt_hash
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -74,27 +73,13 @@ class DecodeLoads:
             parsed = parse_remote_prefill(request.kv_transfer_params or {})
             num_tokens = parsed.num_tokens
             held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
-            unusable = ticket_problem(parsed, self._key, held)
-            if unusable:  # before anything else: an unsigned peer address is not contacted
+            adapter = adapter_fingerprint(request.lora_request)
+            if unusable := ticket_problem(parsed, self._key, held, prompt, adapter):
                 raise ValueError(unusable)
-            if num_tokens > len(prompt):
-                raise ValueError(
-                    f"malformed kv_transfer_params: num_tokens={num_tokens} exceeds "
-                    f"the prompt ({len(prompt)} tokens)"
-                )
             if has_state(self._groups) and num_tokens == len(prompt):
                 raise ValueError(
                     f"the prefill staged all {num_tokens} prompt tokens; a model with "
                     "Mamba layers needs it to stop at least one token short"
-                )
-            if prompt_hash(prompt[:num_tokens]) != parsed.prompt_hash:
-                raise ValueError(
-                    "kv_transfer_params were staged for another prompt (prompt_hash differs)"
-                )
-            if (adapter := adapter_fingerprint(request.lora_request)) != parsed.adapter:
-                raise ValueError(
-                    f"the prefill computed this KV with {_weights(parsed.adapter)}, this "
-                    f"request runs {_weights(adapter)}: other weights, other KV"
                 )
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             if shared == "busy":
@@ -171,7 +156,3 @@ class DecodeLoads:
 
     def close(self) -> None:
         self.renewer.close()
-
-
-def _weights(adapter: str) -> str:
-    return f"LoRA adapter {adapter}" if adapter else "the base model (no LoRA adapter)"

@@ -18,26 +18,19 @@ from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
     held_start,
     layer_groups,
-    layer_starts,
     ordered_layers,
     staged_starts,
-    state_bytes,
 )
-from vllm_qaic_connector.kv.staging_format import StagingFormat
+from vllm_qaic_connector.kv.staging_format import StagingTarget
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
-    RemotePrefill,
-    direct_problem,
-    ticket_mac,
-)
+from vllm_qaic_connector.protocol.wire import RankMetadata, RemotePrefill, prompt_hash, ticket_mac
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.step_metadata import SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, Generations, prompt_hash
+from vllm_qaic_connector.tickets import HEADER_BYTES, Generations
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -57,15 +50,6 @@ def _unreturnable(rid: str) -> str | None:
             "prompt's kv_transfer_params only (send one prompt per request)"
         )
     return None
-
-
-@dataclass(frozen=True)
-class StagingTarget:
-    """The physical format a request is staged in."""
-
-    layout_kind: str
-    block_size: int
-    direct: bool = False  # the decode reads our KV cache: nothing is staged
 
 
 @dataclass
@@ -159,7 +143,9 @@ class PrefillHandoffs:
             if sum(self._direct_held.values()) + wanted > self._direct_cap:
                 target = dataclasses.replace(target, direct=False)
             out.target, out.waiting_since = target, now
-        fmt = self._staging_format(request.num_prompt_tokens, out.target)
+        fmt = out.target.largest_format(
+            request.num_prompt_tokens, self.engine.geometry, self.engine.groups, self._layer_groups
+        )
         self.releases.expire()  # an idle engine ran no step that would have freed them
         quota = self._quota(holder, now)
         try:
@@ -221,7 +207,10 @@ class PrefillHandoffs:
         host, port = params.get("decode_host"), params.get("decode_port")
         if host is None and port is None:  # a router that names no decode: our fleet's
             known = [self.peers.poll(h, p) for h, p in self.cfg.decode_sides]
-            targets = {self._target_for(f, own) if isinstance(f, list) else own for f in known}
+            targets = {
+                StagingTarget.for_decode(self.ranks, f, own) if isinstance(f, list) else own
+                for f in known
+            }
             return targets.pop() if len(targets) == 1 else own
         if not isinstance(host, str) or not isinstance(port, int):
             logger.error(
@@ -238,26 +227,7 @@ class PrefillHandoffs:
         if isinstance(found, str):
             logger.warning("QAICConnector: request %s: %s; staging in our own layout", rid, found)
             return own
-        return self._target_for(found, own)
-
-    def _target_for(self, decode: list[RankMetadata], own: StagingTarget) -> StagingTarget:
-        if len(decode) != len(self.ranks):
-            return own  # head shards differ: the decode regroups heads on receive
-        if not direct_problem(self.ranks[0], decode[0], len(self.ranks)):
-            return dataclasses.replace(own, direct=True)  # block_ids: ours, in our format
-        return StagingTarget(decode[0].layout_kind, decode[0].block_size)
-
-    def _staging_format(self, num_tokens: int, target: StagingTarget) -> StagingFormat:
-        """The most a request can stage: none of its blocks is dropped yet."""
-        groups = self.engine.groups
-        starts = staged_starts(groups, num_tokens, target.block_size, (0,) * len(groups))
-        return StagingFormat(
-            target.layout_kind,
-            dataclasses.replace(self.engine.geometry, block_size=target.block_size),
-            len(self._layer_groups),
-            layer_starts(starts, self._layer_groups, len(self._layer_groups)),
-            state_bytes(groups),
-        )
+        return StagingTarget.for_decode(self.ranks, found, own)
 
     # --- each step ----------------------------------------------------------------------
 

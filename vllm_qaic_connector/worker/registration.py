@@ -20,7 +20,7 @@ from vllm_qaic_connector.kv.kv_groups import (
     ordered_layers,
 )
 from vllm_qaic_connector.kv.layout_probe import resolved_layout
-from vllm_qaic_connector.kv.recurrent_state import RecurrentState, mixer_splits
+from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
@@ -184,36 +184,14 @@ def local_cache(
             )
     state = None
     if state_names:
-        states = [state_tensors(n, kv_caches, layer_modules) for n in state_names]
-        splits = [
-            mixer_splits(layer_modules.get(n), t, identity.ssm_groups, identity.tp_size)
-            for n, t in zip(state_names, states, strict=True)
-        ]
-        state = RecurrentState(
-            tuple(states),
-            layer_groups(groups, state_names),
-            () if None in splits else tuple(s for s in splits if s is not None),
-            identity.tp_size,
-            identity.tp_rank,
-        )
+        state = RecurrentState.of_layers(
+            state_names, kv_caches, layer_modules, layer_groups(groups, state_names),
+            identity.ssm_groups, identity.tp_size, identity.tp_rank,
+        )  # fmt: skip
     return LocalCache(
         layout, geometry, [layout.kv_views(t, geometry) for t in tensors], tensors,
         layer_groups(groups, names), state, tuple(names),
     )  # fmt: skip
-
-
-def state_tensors(
-    name: str, kv_caches: dict[str, Any], layer_modules: dict[str, Any]
-) -> tuple[torch.Tensor, ...]:
-    # vLLM hands a connector a Mamba layer's raw allocation; the layer itself holds the
-    # state views (conv, SSM) its kernels use.
-    module = layer_modules.get(name)
-    state = module.kv_cache if module is not None else kv_caches[name]
-    if not isinstance(state, (list, tuple)) or not all(
-        isinstance(t, torch.Tensor) and t.dim() >= 2 for t in state
-    ):
-        raise TypeError(f"QAICConnector: cannot read the state tensors of Mamba layer {name}")
-    return tuple(state)
 
 
 def rank_metadata(
