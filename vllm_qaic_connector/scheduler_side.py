@@ -14,9 +14,7 @@ from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (
-    PROTOCOL_VERSION,
     ErrorReply,
-    HandshakeReply,
     HandshakeRequest,
     Message,
     Ok,
@@ -24,6 +22,7 @@ from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
     Renewed,
     RenewRequest,
+    handshake_reply,
 )
 from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
 from vllm_qaic_connector.scheduler.prefill_handoffs import (
@@ -111,11 +110,7 @@ class SchedulerSide:
 
     def _handle(self, msg: Message) -> Message:
         if isinstance(msg, HandshakeRequest):
-            if msg.version != PROTOCOL_VERSION:
-                return ErrorReply(f"protocol version {msg.version}, we speak {PROTOCOL_VERSION}")
-            if not self._ranks:
-                return ErrorReply("engine not ready: workers have not registered KV caches")
-            return HandshakeReply(PROTOCOL_VERSION, self._ranks)
+            return handshake_reply(msg, self._ranks)
         if isinstance(msg, ReleaseRequest):
             for rid in msg.request_ids:
                 self.releases.acknowledge(rid, msg, self._ranks)

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import ReleaseRequest, parse_remote_prefill
+from vllm_qaic_connector.protocol.wire import parse_remote_prefill
 from vllm_qaic_proxy import first_token, prompt_lists
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import LeastOutstanding
@@ -103,7 +103,7 @@ class Legs:
             prefill_timeout_s, decode_timeout_s, key,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
-        self._releases: set[asyncio.Future[None]] = set()
+        self._releases: set[asyncio.Future[bool]] = set()
         self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
 
     async def start(self) -> None:
@@ -194,14 +194,8 @@ class Legs:
         except ValueError:
             return
 
-        def call() -> None:
-            msg = ReleaseRequest([remote.remote_request_id])
-            try:
-                side_channel.call(remote.remote_host, remote.remote_port, msg, self.key, 5.0)
-            except ConnectionError as exc:
-                logger.warning("could not release %s (its lease will): %s", remote, exc)
-
-        task = asyncio.get_running_loop().run_in_executor(None, call)
+        release = side_channel.release
+        task = asyncio.get_running_loop().run_in_executor(None, release, remote, self.key, 5.0)
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

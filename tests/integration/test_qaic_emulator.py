@@ -35,6 +35,7 @@ from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
     RemotePrefill,
     compat_hash,
+    parse_ack,
     prompt_hash,
 )
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
@@ -58,14 +59,14 @@ class FakePrefill:
         self.engine, self.incarnation = f"{tag}pf", new_incarnation()
         name = staging_name(self.engine, 0, self.incarnation)
         self.transport = create_transport(transport, name, 4 << 20, 10.0)
-        self.released: list[str] = []
+        self._released: list[str] = []
         self.headers = RegionHeaders(self.transport.staging)
         self.generation = 1 << 32
         self.server = SideChannelServer("127.0.0.1", 0, self._handle, None)
 
     def _handle(self, msg: Message) -> Message:
         if isinstance(msg, ReleaseRequest):
-            self.released += msg.request_ids
+            self._released += msg.request_ids
             return Ok()
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
@@ -74,6 +75,17 @@ class FakePrefill:
             self.incarnation,
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])
+
+    def released(self, count: int) -> list[str]:
+        """The requests freed here, over the side channel or by an acknowledgement riding on
+        a NIXL READ (as a connector prefill takes them), once ``count`` came or 5 s passed."""
+        deadline = time.monotonic() + 5.0
+        while len(self._released) < count and time.monotonic() < deadline:
+            for message in self.transport.poll_notifications():
+                if (ack := parse_ack(message, None)) is not None:
+                    self._released += ack.request_ids
+            time.sleep(0.01)
+        return self._released
 
     def stage(self, rid: str, ids: list[int], layout: str, block: int) -> dict[str, Any]:
         """Stage the prompt's KV (computed by transformers) as the connector's prefill would."""
@@ -175,14 +187,14 @@ def test_decodes_from_slot_bytes_like_the_reference(
     emu = Emulator(cfg)
     try:
         assert len(emu.manifest.programs) == programs
-        decoy = emu.target.buffer(0, DECOY)
+        decoy = emu.endpoint.target.buffer(0, DECOY)
         decoy.copy_(torch.randn(decoy.shape))
         decoy_before = decoy.clone()
-        for k, v in (emu.target.kv(i) for i in range(L)):  # slot 1 is never used below
+        for k, v in (emu.endpoint.target.kv(i) for i in range(L)):  # slot 1 is never used below
             k[1].fill_(SENTINEL)
             v[1].fill_(SENTINEL)
         handshake = side_channel.call(
-            "127.0.0.1", emu.server.port, HandshakeRequest(PROTOCOL_VERSION, "x"), None, 5
+            "127.0.0.1", emu.endpoint.server.port, HandshakeRequest(PROTOCOL_VERSION, "x"), None, 5
         )
         assert isinstance(handshake, HandshakeReply)
         assert (handshake.ranks[0].layout_kind, handshake.ranks[0].block_size) == ("qaic_slot", CTX)
@@ -204,24 +216,24 @@ def test_decodes_from_slot_bytes_like_the_reference(
             assert copy_task.is_correct(text, answer)
             assert body["choices"][0]["finish_reason"] == "stop"
             assert body["usage"]["prompt_tokens"] == len(ids)
-        assert prefill.released == ["r0", "r1", "r2"]
+        assert prefill.released(3) == ["r0", "r1", "r2"]
         tokens = sum(len(tok.encode(p)) for p, _ in cases)
-        c = emu.counters
+        c = emu.endpoint.counters
         assert c["loaded_requests"] == 3 and c["loaded_tokens"] == tokens
         assert c["dma_bytes"] == tokens * L * 2 * H * D * 4  # exactly [k, :, 0:n, :] per buffer
         assert c["bytes_copied"] == (0 if layout == "qaic_slot" else c["dma_bytes"])
         direct = transport == "nixl" and layout == "qaic_slot"
         # Straight into the slot: one descriptor per (layer, K|V, head) as n < ctx.
         assert c["read_descriptors"] == (3 * L * 2 * H if direct else 0)
-        assert emu.slots_in_use == 0 and emu.slots_in_use_max == 1
+        assert emu.endpoint.slots_in_use == 0 and emu.endpoint.slots_in_use_max == 1
         assert torch.equal(decoy, decoy_before)
-        for k, v in (emu.target.kv(i) for i in range(L)):
+        for k, v in (emu.endpoint.target.kv(i) for i in range(L)):
             assert bool((k[1] == SENTINEL).all()) and bool((v[1] == SENTINEL).all())
-        if isinstance(emu.reader, NixlTransport):  # staging, receive arena, 2 per layer
-            assert emu.reader.registrations == 2 + 2 * L
+        if isinstance(emu.endpoint.reader, NixlTransport):  # staging, receive arena, 2 per layer
+            assert emu.endpoint.reader.registrations == 2 + 2 * L
         # The last request's KV sits in slot 0 exactly as staged (positions [0, n)).
         n = len(tok.encode(cases[2][0]))
-        k0 = emu.target.kv(0)[0][0, :, :n]
+        k0 = emu.endpoint.target.kv(0)[0][0, :, :n]
         with torch.no_grad():
             ref = _model()(input_ids=torch.tensor([tok.encode(cases[2][0])])).past_key_values
         assert torch.equal(k0, ref.layers[0].keys[0])
@@ -253,7 +265,7 @@ def test_continues_from_the_prefills_first_token(tag):
         assert first + out["choices"][0]["text"] == " " + emu.tokenizer.decode(want)
         assert copy_task.is_correct(first + out["choices"][0]["text"], answer)
         assert out["id"] == "cmpl-p1" and out["usage"]["prompt_tokens"] == len(ids) + 1
-        assert emu.counters["loaded_tokens"] == len(ids)  # the staged ones
+        assert emu.endpoint.counters["loaded_tokens"] == len(ids)  # the staged ones
     finally:
         emu.close()
         prefill.close()
@@ -288,9 +300,9 @@ def test_refusals_free_the_slot_and_the_staging(tag):
             out.append(await _post(client, prompt.rsplit(" ", 1)[0], params))  # short of it
             lora = {**params, "adapter": "0123456789abcdef"}  # a program runs the base model
             out.append(await _post(client, prompt, lora))
-            slot = await emu._acquire_slot()  # the only slot is busy
+            slot = await emu.endpoint._acquire_slot()  # the only slot is busy
             out.append(await _post(client, prompt, params))
-            emu._free_slot(slot)
+            emu.endpoint._free_slot(slot)
             out.append(await _post(client, prompt, params))
             return out
 
@@ -300,9 +312,9 @@ def test_refusals_free_the_slot_and_the_staging(tag):
         assert s2c == 400 and "LoRA adapter 0123456789abcdef" in b2c["error"]["message"]
         assert s3 == 503 and "slots busy" in b3["error"]["message"]
         assert s4 == 200
-        assert prefill.released == ["r0"] * 5  # every handed-off request freed its staging
-        assert emu.slots_in_use == 0 and emu.counters["slot_wait_timeouts"] == 1
-        assert emu.target.allocate_slot() == 0  # nothing leaked
+        assert prefill.released(5) == ["r0"] * 5  # every handed-off request freed its staging
+        assert emu.endpoint.slots_in_use == 0 and emu.endpoint.counters["slot_wait_timeouts"] == 1
+        assert emu.endpoint.target.allocate_slot() == 0  # nothing leaked
     finally:
         emu.close()
         prefill.close()
@@ -316,26 +328,29 @@ def test_failed_nixl_pulls_free_the_slot_and_the_staging_and_leave_nothing_regis
     prefill = FakePrefill(tag, "nixl")
     emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX, transport="nixl"))
     try:
-        assert isinstance(emu.reader, NixlTransport)
+        assert isinstance(emu.endpoint.reader, NixlTransport)
         (p0, _), (p1, _) = copy_task.heldout_prompts(2)
         stale = prefill.stage("r0", emu.tokenizer.encode(p0), "qaic_slot", CTX)
         prefill.stage("r1", emu.tokenizer.encode(p1), "qaic_slot", CTX)  # reuses r0's region
         status, body = _run(emu, lambda c: _post(c, p0, stale))
         assert status == 502 and "reused, released or its lease expired" in body["error"]["message"]
-        registered = emu.reader.registrations
+        registered = emu.endpoint.reader.registrations
         live = prefill.stage("r2", emu.tokenizer.encode(p0), "qaic_slot", CTX)
         prefill.transport.close()  # agent and staging gone; the side channel stays up
         status, body = _run(emu, lambda c: _post(c, p0, live))
         assert status == 502 and "KV load failed" in body["error"]["message"]
-        assert prefill.released == ["r0", "r2"]
-        assert emu.counters["load_failures"] == 2 and emu.counters["read_descriptors"] == 0
-        assert emu.slots_in_use == 0 and emu.target.allocate_slot() == 0
-        assert emu.reader.registrations == registered == 2 + 2 * L
-        assert emu.reader.remote_agents == []
+        assert prefill.released(2) == ["r0", "r2"]
+        assert (
+            emu.endpoint.counters["load_failures"] == 2
+            and emu.endpoint.counters["read_descriptors"] == 0
+        )
+        assert emu.endpoint.slots_in_use == 0 and emu.endpoint.target.allocate_slot() == 0
+        assert emu.endpoint.reader.registrations == registered == 2 + 2 * L
+        assert emu.endpoint.reader.remote_agents == []
     finally:
         emu.close()
         prefill.close()
-    assert emu.reader.registrations == 0
+    assert emu.endpoint.reader.registrations == 0
 
 
 # --- the real thing: vLLM prefill -> emulator ------------------------------------------------

@@ -18,6 +18,8 @@ from vllm_qaic_connector.protocol.wire import (
     NONCE_BYTES,
     ErrorReply,
     Message,
+    ReleaseRequest,
+    RemotePrefill,
     encode_message,
     open_message,
 )
@@ -198,3 +200,21 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
     if isinstance(reply, ErrorReply):
         raise ConnectionError(f"side channel {host}:{port} refused: {reply.message}")
     return reply
+
+
+def release(
+    remote: RemotePrefill, key: bytes | None, timeout_s: float, reader: tuple[int, int] = (0, 1)
+) -> bool:
+    """Tells the prefill that ``remote``'s staging is no longer wanted here (read, refused
+    or abandoned by the decode rank ``reader``: its rank and TP size), so it frees it now
+    rather than at the lease's end. False where the prefill cannot be reached."""
+    msg = ReleaseRequest([remote.remote_request_id], *reader)
+    try:
+        call(remote.remote_host, remote.remote_port, msg, key, timeout_s)
+        return True
+    except ConnectionError as exc:
+        logger.warning(
+            "QAICConnector: could not release staging of %s at %s:%d (its lease will): %s",
+            remote.remote_request_id, remote.remote_host, remote.remote_port, exc,
+        )  # fmt: skip
+        return False

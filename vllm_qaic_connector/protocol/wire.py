@@ -266,6 +266,15 @@ Message = (
 )
 
 
+def handshake_reply(request: HandshakeRequest, ranks: list[RankMetadata]) -> Message:
+    """An engine's answer to a handshake: its ranks, sorted, once every rank registered."""
+    if request.version != PROTOCOL_VERSION:
+        return ErrorReply(f"protocol version {request.version}, we speak {PROTOCOL_VERSION}")
+    if not ranks:
+        return ErrorReply("engine not ready: workers have not registered KV caches")
+    return HandshakeReply(PROTOCOL_VERSION, sorted(ranks, key=lambda r: r.tp_rank))
+
+
 class Envelope(msgspec.Struct, frozen=True, array_like=True):
     """A side-channel frame's content. The nonce and the send time, inside the MAC, make a
     captured frame useless later; a reply names the nonce of the request it answers."""

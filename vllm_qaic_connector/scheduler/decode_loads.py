@@ -16,9 +16,9 @@ from vllm_qaic_connector.kv.kv_groups import (
 )
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
+from vllm_qaic_connector.protocol.leases import LeaseRenewer
 from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
 from vllm_qaic_connector.scheduler import request_ids
-from vllm_qaic_connector.scheduler.lease_renewal import LeaseRenewer
 from vllm_qaic_connector.scheduler.shared_tickets import SharedTickets, ticket_key
 from vllm_qaic_connector.step_metadata import LoadSpec
 

@@ -18,7 +18,6 @@ from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
-    ReleaseRequest,
     ack_message,
     direct_problem,
 )
@@ -245,20 +244,6 @@ class RequestLoads:
             self.cache.state.zero(spec.block_ids)
 
     def _release_remote(self, spec: LoadSpec) -> None:
-        if spec.remote is None:
-            return
-        tp_rank, tp_size = self.identity.tp_rank, self.identity.tp_size
-        try:
-            side_channel.call(
-                spec.remote.remote_host,
-                spec.remote.remote_port,
-                ReleaseRequest([spec.remote.remote_request_id], tp_rank, tp_size),
-                self._key,
-                self.cfg.handshake_timeout_s,
-            )
-        except ConnectionError as exc:
-            logger.warning(
-                "QAICConnector: could not release staging of %s (lease will expire): %s",
-                spec.remote.remote_request_id,
-                exc,
-            )
+        if spec.remote is not None:
+            reader = (self.identity.tp_rank, self.identity.tp_size)
+            side_channel.release(spec.remote, self._key, self.cfg.handshake_timeout_s, reader)

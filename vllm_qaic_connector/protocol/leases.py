@@ -17,7 +17,6 @@ from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.wire import (
     Message,
-    ReleaseRequest,
     RemotePrefill,
     Renewed,
     RenewRequest,
@@ -70,9 +69,8 @@ class LeaseRenewer:
             remote is not None
             and (remote.remote_host, remote.remote_port, remote.remote_request_id) not in others
         ):  # a sibling (n > 1) that shares the ticket still wants it
-            msg = ReleaseRequest([remote.remote_request_id])
-            args = (remote.remote_host, remote.remote_port, msg, self._timeout_s)
-            threading.Thread(target=self._send, args=args, daemon=True).start()
+            args = (remote, self._key, self._timeout_s)
+            threading.Thread(target=side_channel.release, args=args, daemon=True).start()
 
     def _period(self) -> float:
         with self._lock:
