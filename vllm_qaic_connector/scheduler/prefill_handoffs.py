@@ -21,7 +21,7 @@ from vllm_qaic_connector.kv.kv_groups import (
     ordered_layers,
     staged_starts,
 )
-from vllm_qaic_connector.kv.staging_format import StagingTarget
+from vllm_qaic_connector.kv.staging_target import StagingTarget
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
