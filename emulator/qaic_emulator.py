@@ -31,7 +31,6 @@ from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from vllm_qaic_connector.model_weights import checkpoint_fingerprint, kv_settings
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
-from vllm_qaic_connector.qaic.buffers import apply_prefix
 from vllm_qaic_connector.qaic.decode_endpoint import DecodeEndpoint, EndpointConfig, Refused
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_proxy.server import MAX_REQUEST_BYTES
@@ -58,7 +57,7 @@ def build_manifest(
     split: list[list[BufferSpec]] = [[] for _ in range(programs)]
     for i in range(layers):
         for kind in ("key", "value"):
-            name = apply_prefix(f"past_{kind}.{i}_RetainedState", prefix)
+            name = f"past_{kind}.{i}{'_' + prefix if prefix else ''}_RetainedState"
             split[i * programs // layers].append(BufferSpec(name, shape, dtype))
     split[0].append(BufferSpec(DECOY, (slots, 16, head_dim), dtype))
     return Manifest(split)

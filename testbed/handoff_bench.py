@@ -231,7 +231,7 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             if path.prefill == path.decode:
                 direct.copy(mapped, src_blocks, decode_layers, dst_blocks)
             else:
-                direct.convert(mapped, src_blocks, dst, dst_blocks, 0, n)
+                pool.layers(mapped.layers, src_blocks, dst, dst_blocks, 0, n)
 
     peer, notify = owner.endpoint(), b"ack" if reader.delivers_notifications else None
 

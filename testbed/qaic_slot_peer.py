@@ -34,15 +34,15 @@ from testbed.nixl_peer import decode as decode_endpoint
 from testbed.nixl_peer import encode as encode_endpoint
 from testbed.shipped_model import MODEL_DIR, TINY
 from vllm_qaic_connector.kv.staging_format import StagingFormat
-from vllm_qaic_connector.kv.token_copies import copy_tokens
+from vllm_qaic_connector.kv.token_copies import copy_layers
 from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import SlotTarget
 from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
-    Generations,
     RegionHeaders,
     StaleTicket,
+    generations,
     new_incarnation,
 )
 from vllm_qaic_connector.transports import staging_name
@@ -72,17 +72,17 @@ def prefill(tag: str, prompts: int, ctx: int) -> int:
     tok, model = load()
     fmt = StagingFormat("qaic_slot", geometry(ctx), L)
     transport = NixlTransport(staging_name(f"{tag}pf", 0, new_incarnation()), prompts * STRIDE)
-    headers, generations = RegionHeaders(transport.staging), Generations()
+    headers, generation_ids = RegionHeaders(transport.staging), generations()
     staged: list[list[int]] = []
     for i, (prompt, _) in enumerate(copy_task.heldout_prompts(prompts)):
         ids = tok.encode(prompt)
-        n, offset, generation = len(ids), i * STRIDE, generations.take()
+        n, offset, generation = len(ids), i * STRIDE, next(generation_ids)
         assert HEADER_BYTES + fmt.request_bytes(n) <= STRIDE
         cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
         with headers.writing(offset, offset + HEADER_BYTES + fmt.request_bytes(n), generation) as r:
             r.zero_()
             for layer, dst in zip(cache.layers, fmt.layer_views(r, n), strict=True):
-                copy_tokens((layer.keys, layer.values), [0], dst, [0], 0, n)
+                copy_layers([(layer.keys, layer.values)], [0], [dst], [0], 0, n)
         staged.append([offset, n, generation])
     out = {"endpoint": encode_endpoint(transport.endpoint()), "staged": staged}
     print("STAGED", json.dumps(out), flush=True)

@@ -19,11 +19,7 @@ from vllm_qaic_connector.config import parse_config, sized_staging
 from vllm_qaic_connector.scheduler_side import SchedulerSide
 from vllm_qaic_connector.stats import QAICConnectorStats, QAICPromMetrics
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
-from vllm_qaic_connector.worker_side import (
-    QAICHandshakeMetadata,
-    QAICWorkerMetadata,
-    WorkerSide,
-)
+from vllm_qaic_connector.worker_side import QAICHandshakeMetadata, QAICWorkerMetadata, WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,9 +99,6 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._w().wait_for_save()
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._w().get_finished()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         sent, done = self._w().get_finished()
@@ -195,11 +188,5 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         return QAICConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: Any,
-        labelnames: Any,
-        per_engine_labelvalues: Any,
-    ) -> QAICPromMetrics:
-        return QAICPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, *args: Any, **kwargs: Any) -> QAICPromMetrics:
+        return QAICPromMetrics(*args, **kwargs)  # vllm_config, metric_types, labelnames, ...

@@ -8,8 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
-from vllm_qaic_connector.kv.kv_groups import attention_spec, groups_of, has_state
-from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.kv.kv_groups import attention_geometry, groups_of, has_state
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
@@ -59,13 +58,7 @@ class SchedulerSide:
         self.engine_id = str(ktc.engine_id)
         self.is_producer = bool(ktc.is_kv_producer)
         self.groups = groups_of(kv_cache_config)
-        spec = attention_spec(kv_cache_config)
-        geometry = KVGeometry(
-            spec.num_kv_heads,  # type: ignore[attr-defined]
-            spec.head_size,  # type: ignore[attr-defined]
-            spec.block_size,
-            spec.dtype,  # type: ignore[attr-defined]
-        )
+        geometry = attention_geometry(kv_cache_config)
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step

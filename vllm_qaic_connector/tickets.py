@@ -15,6 +15,7 @@ hands the save over; a reader that finds the promise waits, bounded, for the sea
 from __future__ import annotations
 
 import bisect
+import itertools
 import secrets
 import threading
 import time
@@ -43,15 +44,9 @@ def new_incarnation() -> str:
     return secrets.token_hex(8)
 
 
-class Generations:
+def generations() -> Iterator[int]:
     """Unique, non-zero generations; a random base keeps them unique across restarts too."""
-
-    def __init__(self) -> None:
-        self._next = (secrets.randbits(30) + 1) << 32
-
-    def take(self) -> int:
-        self._next += 1
-        return self._next
+    return itertools.count(((secrets.randbits(30) + 1) << 32) + 1)
 
 
 def _words(header: torch.Tensor) -> torch.Tensor:

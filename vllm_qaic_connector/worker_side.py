@@ -17,19 +17,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.kv.kv_groups import (
-    KVGroup,
-    groups_of,
-)
+from vllm_qaic_connector.kv.kv_groups import KVGroup, groups_of
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
-    ReleaseRequest,
-    parse_ack,
-)
+from vllm_qaic_connector.protocol.wire import RankMetadata, ReleaseRequest, parse_ack
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 from vllm_qaic_connector.tickets import RegionHeaders, new_incarnation
@@ -87,8 +80,6 @@ class WorkerSide:
         self.cfg = cfg
         self.groups = groups  # KV cache groups (empty: one, every layer in it)
         self.identity = identity
-        self.engine_id = identity.engine_id
-        self.tp_rank, self.tp_size = identity.tp_rank, identity.tp_size
         self.geometry = geometry
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
@@ -97,7 +88,7 @@ class WorkerSide:
         self.rank_meta: RankMetadata | None = None
         self.incarnation = new_incarnation()
         self._key = cfg.shared_key
-        self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
+        self.peers = PeerDirectory(identity.engine_id, self._key, cfg.handshake_timeout_s)
         self.loads: RequestLoads | None = None
         self._loader: Loader | None = None
         self.saves: RequestSaves | None = None
@@ -140,7 +131,7 @@ class WorkerSide:
             self.cfg.verify_cpu_layout, self.layout_name,
         )  # fmt: skip
         tensors = cache.tensors
-        name = staging_name(self.engine_id, self.tp_rank, self.incarnation)
+        name = staging_name(self.identity.engine_id, self.identity.tp_rank, self.incarnation)
         transport = self.transport = create_transport(
             self.cfg.transport, name, self.cfg.pool_bytes, self.cfg.load_timeout_s,
             stages=self.identity.produces,
@@ -167,7 +158,7 @@ class WorkerSide:
         self.peers.when_resolved(self._loader.dispatch)  # parked loads start at once
         logger.info(
             "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
-            self.tp_rank, cache.layout.kind, len(tensors), self.geometry.block_size,
+            self.identity.tp_rank, cache.layout.kind, len(tensors), self.geometry.block_size,
             self.cfg.transport,
         )  # fmt: skip
 

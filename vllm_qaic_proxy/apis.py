@@ -77,12 +77,6 @@ ONE_ENGINE = frozenset({
 })  # fmt: skip
 
 
-def relayed(path: str) -> bool:
-    """Whether a decode answers this route for the fleet (tokenize, embeddings, render,
-    a stored Responses answer...)."""
-    return path not in ONE_ENGINE
-
-
 def answers_alone(body: dict[str, Any], api: Api) -> str | None:
     """Why the decode alone serves a request (a prefill leg would be wasted or refused), or
     None. Prompt logprobs: vLLM computes such a prompt whole to score it, reading no cache.

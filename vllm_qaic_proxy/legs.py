@@ -106,13 +106,13 @@ class Legs:
         self._releases: set[asyncio.Future[bool]] = set()
         self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
 
-    async def start(self) -> None:
+    async def start(self, _: web.Application) -> None:
         # No cap on connections (aiohttp's is 100, and a stream holds one to its end: the
         # 101st request waited for one to end); the engines queue, as behind vLLM's router.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=BACKEND_KEEPALIVE_S)
         self.session = aiohttp.ClientSession(connector=connector)
 
-    async def stop(self) -> None:
+    async def stop(self, _: web.Application) -> None:
         if self._releases:
             await asyncio.wait(self._releases, timeout=6)
         if self.session is not None:
@@ -122,13 +122,15 @@ class Legs:
         self,
         leg: str,
         url: str,
-        body: dict[str, Any],
         timeout: aiohttp.ClientTimeout,
-        auth: dict[str, str],
+        headers: dict[str, str],
+        method: str = "POST",
+        **body: Any,
     ) -> aiohttp.ClientResponse:
+        """``body``: ``json=`` (a leg) or ``data=`` (a relayed request)."""
         assert self.session is not None
         try:
-            return await self.session.post(url, json=body, timeout=timeout, headers=auth)
+            return await self.session.request(method, url, timeout=timeout, headers=headers, **body)
         except UNANSWERED as exc:
             raise NoAnswer(
                 503, f"{leg} leg {url} is unreachable: {exc or 'no connection'}"
@@ -184,7 +186,7 @@ class Legs:
 
     async def prefill(self, url: str, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any]:
         timeout = leg_timeout(total=self.prefill_timeout_s)
-        resp = await self.open("prefill", url, body, timeout, auth)
+        resp = await self.open("prefill", url, timeout, auth, json=body)
         return await self.read_json("prefill", url, resp)
 
     def release(self, params: dict[str, Any]) -> None:
@@ -213,7 +215,7 @@ class Legs:
         has taken the request), to the client or into ``sink``; False when the client went
         away. Then the decode's connection is closed, which aborts the request there."""
         timeout = leg_timeout(sock_read=self.decode_timeout_s)
-        resp = await self.open(leg, url, body, timeout, credentials(request))
+        resp = await self.open(leg, url, timeout, credentials(request), json=body)
         if resp.status != 200 or "json" in resp.content_type:
             await self.read_json(leg, url, resp)  # raises: a stream answers 200 with events
             raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
@@ -248,7 +250,7 @@ class Legs:
     ) -> dict[str, Any]:
         """A leg's whole answer, not streamed."""
         timeout = leg_timeout(total=self.decode_timeout_s)
-        resp = await self.open(leg, url + path, body, timeout, auth)
+        resp = await self.open(leg, url + path, timeout, auth, json=body)
         return await self.read_json(leg, url, resp)
 
     async def context(self, decode_url: str, auth: dict[str, str]) -> int | None:
@@ -277,18 +279,8 @@ class Legs:
     ) -> web.StreamResponse:
         """``url``'s answer to the client's request, streamed back; a 404 for a ``stored``
         response is raised (`held`: another decode may hold it)."""
-        assert self.session is not None
         target = url + request.path_qs
-        try:
-            resp = await self.session.request(
-                request.method, target, data=data, headers=headers, timeout=leg_timeout()
-            )
-        except UNANSWERED as exc:
-            raise NoAnswer(
-                503, f"decode {target} is unreachable: {exc or 'no connection'}"
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise LegError(503, f"decode {target} is unreachable: {exc}") from None
+        resp = await self.open("decode", target, leg_timeout(), headers, request.method, data=data)
         try:
             if resp.status == 404 and stored:
                 missing = None

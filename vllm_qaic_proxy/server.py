@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from vllm_qaic_proxy import apis, first_token, prompt_lists
@@ -198,16 +198,11 @@ class Proxy:
         the request continues a stored response, which one decode holds (the others 404)."""
         pool = self.router.decodes if leg == "decode" else self.router.prefills
         if body.get("stream"):
-            return await self.legs.failover(
-                pool,
-                url,
-                held(
-                    stored,
-                    lambda u: self.legs.stream(
-                        request, u + request.path, body, timing, first, leg, sink
-                    ),
-                ),
-            )
+
+            def streamed(u: str) -> Awaitable[tuple[web.StreamResponse, bool]]:
+                return self.legs.stream(request, u + request.path, body, timing, first, leg, sink)
+
+            return await self.legs.failover(pool, url, held(stored, streamed))
         auth = credentials(request)
         answer = await self.legs.failover(
             pool, url, held(stored, lambda u: self.legs.whole(u, request.path, body, auth, leg))
@@ -234,20 +229,10 @@ class Proxy:
             await out.write_eof()
         return response_of(out)
 
-    async def models(self, request: web.Request) -> web.Response:
-        assert self.legs.session is not None
-        url = self.router.decodes.pick() + "/v1/models"
-        timeout, auth = aiohttp.ClientTimeout(total=10), credentials(request)
-        try:
-            async with self.legs.session.get(url, timeout=timeout, headers=auth) as resp:
-                return web.json_response(await resp.json(content_type=None), status=resp.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            return web.json_response(error_body(503, f"decode {url}: {exc}"), status=503)
-
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A route that one engine answers, from a decode, streamed through as it comes. A
         stored response (Responses API) from whichever decode holds it."""
-        if not apis.relayed(request.path):
+        if request.path in apis.ONE_ENGINE:
             problem = (
                 f"{request.method} {request.path} acts on or reports one engine: send it to "
                 "each engine, not through the disaggregating proxy"
@@ -279,21 +264,14 @@ class Proxy:
         body = {"ok": ok, "degraded": degraded, **report}
         return web.json_response(body, status=200 if ok else 503)
 
-    async def _start(self, _: web.Application) -> None:
-        await self.legs.start()
-
-    async def _stop(self, _: web.Application) -> None:
-        await self.legs.stop()
-
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         for path in apis.GENERATING:
             app.router.add_post(path, self.completions)
-        app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_route("*", "/{path:.*}", self.relay)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
+        app.on_startup.append(self.legs.start)
+        app.on_cleanup.append(self.legs.stop)
         return app
 
 

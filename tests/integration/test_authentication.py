@@ -33,8 +33,8 @@ from vllm_qaic_connector.protocol.wire import (
     Ok,
     ReleaseRequest,
     ack_message,
-    decode_message,
     encode_message,
+    open_message,
     parse_ack,
 )
 
@@ -169,8 +169,8 @@ def round_trip(ctx: zmq.Context, port: int, frame: bytes) -> bytes:
 def test_a_replayed_frame_is_refused(recorded, ctx):
     server, handler = recorded
     captured = encode_message(ReleaseRequest(["r1"]), KEY)
-    assert decode_message(round_trip(ctx, server.port, captured), KEY) == Ok()
-    replay = decode_message(round_trip(ctx, server.port, captured), KEY)
+    assert _decode(round_trip(ctx, server.port, captured), KEY) == Ok()
+    replay = _decode(round_trip(ctx, server.port, captured), KEY)
     assert isinstance(replay, ErrorReply) and "replayed" in replay.message
     assert handler.seen == [ReleaseRequest(["r1"])]  # the handler ran once
 
@@ -185,10 +185,10 @@ def signed_frame(message: Message, sent_at: float, key: bytes = KEY) -> bytes:
 def test_a_stale_or_future_frame_is_refused(recorded, ctx, age_s):
     server, handler = recorded
     frame = signed_frame(ReleaseRequest(["r1"]), time.time() - age_s)
-    reply = decode_message(round_trip(ctx, server.port, frame), KEY)
+    reply = _decode(round_trip(ctx, server.port, frame), KEY)
     assert isinstance(reply, ErrorReply) and "stale message" in reply.message
     fresh = signed_frame(ReleaseRequest(["r2"]), time.time())
-    assert decode_message(round_trip(ctx, server.port, fresh), KEY) == Ok()
+    assert _decode(round_trip(ctx, server.port, fresh), KEY) == Ok()
     assert handler.seen == [ReleaseRequest(["r2"])]
 
 
@@ -262,3 +262,7 @@ def test_an_unauthenticated_nixl_ack_frees_nothing(monkeypatch):
         reader.close()
         owner.close()
         sched.connector.shutdown()
+
+
+def _decode(frame, key):
+    return open_message(frame, key).message

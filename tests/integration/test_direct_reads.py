@@ -122,7 +122,7 @@ def test_a_decode_of_another_format_converts_as_it_copies(kind, layers):
     reader = DirectReader(CopyPool())
     try:
         mapped = reader.peer("prefill/0", cache, get_layout(kind), GEO)
-        copied = reader.convert(mapped, src_blocks, decode, dst_blocks, 5, TOKENS)
+        copied = CopyPool().layers(mapped.layers, src_blocks, decode, dst_blocks, 5, TOKENS)
     finally:
         reader.close()
     assert copied == layers * 2 * 2 * 32 * 2 * (TOKENS - 5)

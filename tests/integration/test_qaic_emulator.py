@@ -21,7 +21,7 @@ from testbed import copy_task
 from testbed.shipped_model import MODEL_DIR, TINY
 from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
-from vllm_qaic_connector.kv.token_copies import copy_tokens
+from vllm_qaic_connector.kv.token_copies import copy_layers
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
@@ -100,7 +100,7 @@ class FakePrefill:
         with self.headers.writing(0, end, self.generation) as region:
             region.zero_()
             for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
-                copy_tokens((layer.keys, layer.values), [0], dst, dst_blocks, 0, n)
+                copy_layers([(layer.keys, layer.values)], [0], [dst], dst_blocks, 0, n)
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine,

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.worker_processes import vllm_kv_caches
-from vllm_qaic_connector.kv.byte_runs import ByteRun, merge_runs, plan_slot_reads
+from vllm_qaic_connector.kv.byte_runs import plan_slot_reads
 from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV
 from vllm_qaic_connector.kv.layout_probe import (
     ISA_PACKINGS,
@@ -22,7 +22,7 @@ from vllm_qaic_connector.kv.layout_probe import (
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import (
     HeadRange,
-    copy_tokens,
+    copy_layers,
     gather_tokens,
     plan_token_runs,
 )
@@ -306,8 +306,6 @@ def test_slot_read_plan_moves_exactly_the_staged_tokens_into_one_slot(
 
 
 def test_merge_runs_joins_only_runs_that_continue_on_both_sides():
-    runs = [ByteRun(0, 100, 8), ByteRun(8, 108, 8), ByteRun(16, 200, 8), ByteRun(30, 208, 2)]
-    assert merge_runs(runs) == [ByteRun(0, 100, 16), ByteRun(16, 200, 8), ByteRun(30, 208, 2)]
     with pytest.raises(ValueError, match="tokens into slot"):
         plan_slot_reads(KVGeometry(1, 4, 8, torch.float32), 9, 0, [(0, 64)])
 
@@ -337,3 +335,7 @@ def test_every_vllm_cpu_isa_writes_the_packing_we_read(isa, isa_verdicts):
     if all("cannot run here" in c for c in cases):
         pytest.skip(f"{isa} ({'/'.join(ISA_PACKINGS[isa])}) not checked on this host: {cases[0]}")
     assert all(c.split(": ")[-1] in ISA_PACKINGS[isa] for c in cases), cases
+
+
+def copy_tokens(src, src_blocks, dst, dst_blocks, t0, t1, heads=None, dst_t0=None):
+    return copy_layers([src], src_blocks, [dst], dst_blocks, t0, t1, heads, dst_t0)

@@ -1,11 +1,10 @@
-"""QAIC KV buffer names: prefix rules, renaming and matching (table-driven)."""
+"""QAIC KV buffer names: prefix rules, and matching (table-driven)."""
 
 from __future__ import annotations
 
 import pytest
 
 from vllm_qaic_connector.qaic.buffers import (
-    apply_prefix,
     kv_buffer_regex,
     parse_kv_name,
     validate_prefix,
@@ -35,50 +34,13 @@ def test_invalid_prefix_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match="invalid kv_cache_prefix") as err:
         validate_prefix(bad)
     assert repr(bad) in str(err.value)
-    # Every entry point that takes a prefix refuses it the same way.
-    for call in (
-        lambda: kv_buffer_regex(bad),
-        lambda: apply_prefix("past_key.0", bad),
-    ):
-        with pytest.raises(ValueError, match="invalid kv_cache_prefix"):
-            call()
+    with pytest.raises(ValueError, match="invalid kv_cache_prefix"):
+        kv_buffer_regex(bad)  # the selection refuses it the same way
 
 
 def test_non_string_prefix_is_a_type_error():
     with pytest.raises(TypeError):
         validate_prefix(7)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    "name, prefix, want",
-    [
-        ("past_key.0", "P", "past_key.0_P"),
-        ("past_value.10", "P", "past_value.10_P"),
-        ("past_key.3_RetainedState", "P", "past_key.3_P_RetainedState"),
-        ("past_value.3_RetainedState", "ab", "past_value.3_ab_RetainedState"),
-        ("past_key.1_InternalRetainedState", "P", "past_key.1_P_InternalRetainedState"),
-        ("past_value.7_InternalRetainedState", "X9", "past_value.7_X9_InternalRetainedState"),
-        ("past_key.2", None, "past_key.2"),
-        ("past_key.2_RetainedState", None, "past_key.2_RetainedState"),
-    ],
-)
-def test_apply_prefix(name, prefix, want):
-    assert apply_prefix(name, prefix) == want
-    # The renamed buffer is exactly what the selection regex picks for that prefix.
-    parsed = parse_kv_name(want, kv_buffer_regex(prefix))
-    assert parsed is not None
-    assert parsed.suffix == ("_InternalRetainedState" if "Internal" in name else
-                             "_RetainedState" if "Retained" in name else "")  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    "name",
-    [*VISION, "past_key.0_P", "past_key.0_P_RetainedState", "past_keys.1", "PAST_KEY.0",
-     "past_key.1_RetainedStateX", "past_key", "past_key.", "past_key.x", "past_key.0\n"],
-)  # fmt: skip
-def test_apply_prefix_refuses_anything_but_an_unprefixed_kv_name(name):
-    with pytest.raises(ValueError, match="not an unprefixed KV buffer name"):
-        apply_prefix(name, "Q")
 
 
 # (name, prefix, expected (layer, kind, suffix) or None)

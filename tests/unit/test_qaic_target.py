@@ -97,7 +97,7 @@ def _fill_all(target: SlotTarget, n: int, seed: int) -> dict[int, list]:
     for _ in range(target.num_slots):
         slot = target.allocate_slot()
         written[slot] = _request_kv(target.num_layers, n, seed + slot)
-        target.write_slot(slot, written[slot], n)
+        _write_slot(target, slot, written[slot], n)
     return written
 
 
@@ -109,13 +109,13 @@ def test_writing_slot_k_touches_nothing_else(shm_prefix):
         before = _snapshot(target, m)
         assert [target.allocate_slot() for _ in range(3)] == [0, 1, 2]
         kv = _request_kv(2, 5, seed=1)
-        nbytes = target.write_slot(2, kv, 5)
+        nbytes = _write_slot(target, 2, kv, 5)
         assert nbytes == 2 * 2 * H * 5 * D * DT.itemsize
         _assert_only_slots_changed(target, before, {2: kv})
         k, v = target.kv(1)
         assert torch.equal(k[2, :, :5], kv[1][0]) and torch.equal(v[2, :, :5], kv[1][1])
         # Source longer than num_tokens: only the first num_tokens go in.
-        target.write_slot(0, _request_kv(2, CTX, seed=2), 3)
+        _write_slot(target, 0, _request_kv(2, CTX, seed=2), 3)
         assert _same_bytes(
             target.kv(0)[0][0, :, 3:], before[(0, "past_key.0_P_RetainedState")][0, :, 3:]
         )
@@ -129,7 +129,7 @@ def test_refill_a_released_slot_without_touching_the_others(shm_prefix):
         target.release_slot(1)
         assert target.allocate_slot() == 1
         new = _request_kv(2, 12, seed=99)
-        target.write_slot(1, new, 12)
+        _write_slot(target, 1, new, 12)
         _assert_only_slots_changed(target, before, {1: new})
         assert set(written) == {0, 1, 2, 3}
 
@@ -149,7 +149,7 @@ def test_32_slot_batch_refills_4_freed_slots_and_sends_only_their_kv(shm_prefix)
         assert refilled == freed
         lengths = {3: 1, 9: 16, 17: 5, 30: 11}
         new = {s: _request_kv(layers, lengths[s], seed=100 + s) for s in refilled}
-        total = sum(target.write_slot(s, new[s], lengths[s]) for s in refilled)
+        total = sum(_write_slot(target, s, new[s], lengths[s]) for s in refilled)
         assert total == sum(layers * 2 * H * n * D * DT.itemsize for n in lengths.values())
         _assert_only_slots_changed(target, before, new)
         # The bytes that changed all lie in the 4 slots; the other 28 compare equal.
@@ -166,11 +166,11 @@ def test_slot_and_token_errors(shm_prefix):
         kv = _request_kv(1, 4, seed=0)
         for bad in (4, 32, -1):
             with pytest.raises(ValueError, match=rf"slot {bad} out of range \[0, 4\)"):
-                target.write_slot(bad, kv, 4)
+                _write_slot(target, bad, kv, 4)
             with pytest.raises(ValueError, match=rf"slot {bad} out of range \[0, 4\)"):
                 target.release_slot(bad)
         with pytest.raises(ValueError, match="not allocated"):
-            target.write_slot(0, kv, 4)
+            _write_slot(target, 0, kv, 4)
         with pytest.raises(ValueError, match="not allocated"):
             target.release_slot(0)
         slot = target.allocate_slot()
@@ -179,14 +179,14 @@ def test_slot_and_token_errors(shm_prefix):
             target.release_slot(slot)
         slot = target.allocate_slot()
         with pytest.raises(ValueError, match="num_tokens 17 outside"):
-            target.write_slot(slot, _request_kv(1, CTX + 1, seed=0), CTX + 1)
-        with pytest.raises(ValueError, match="want"):
-            target.write_slot(slot, kv, 5)  # source holds only 4 tokens
+            _write_slot(target, slot, _request_kv(1, CTX + 1, seed=0), CTX + 1)
+        with pytest.raises(ValueError, match="blocks of"):
+            _write_slot(target, slot, kv, 5)  # source holds only 4 tokens
         with pytest.raises(ValueError, match="2 layers"):
-            target.write_slot(slot, kv * 2, 4)
+            _write_slot(target, slot, kv * 2, 4)
         with pytest.raises(ValueError, match="float32"):
-            target.write_slot(slot, [(kv[0][0].float(), kv[0][1].float())], 4)
-        assert target.write_slot(slot, kv, 0) == 0
+            _write_slot(target, slot, [(kv[0][0].float(), kv[0][1].float())], 4)
+        assert _write_slot(target, slot, kv, 0) == 0
 
 
 def test_layer_split_over_two_programs(shm_prefix):
@@ -206,7 +206,7 @@ def test_layer_split_over_two_programs(shm_prefix):
         before = _snapshot(target, m)
         slot = target.allocate_slot()
         kv = _request_kv(2, 9, seed=5)
-        target.write_slot(slot, kv, 9)
+        _write_slot(target, slot, kv, 9)
         for layer, program in ((0, 0), (1, 1)):
             for kind, src in zip(("key", "value"), kv[layer], strict=True):
                 buf = target.buffer(program, f"past_{kind}.{layer}_P_RetainedState")
@@ -230,14 +230,14 @@ def test_prefix_rule_on_internal_retained_state(shm_prefix):
         before = _snapshot(target, m)
         slot = target.allocate_slot()
         kv = _request_kv(2, CTX, seed=3)
-        target.write_slot(slot, kv, CTX)
+        _write_slot(target, slot, kv, CTX)
         _assert_only_slots_changed(target, before, {slot: kv})
         for spec in [*theirs, *bare]:
             assert _same_bytes(target.buffer(0, spec.name), before[(0, spec.name)])
 
 
 def test_write_from_staged_blocks_in_another_layout(shm_prefix):
-    """The decode path: a staged region (vLLM CPU layout, block 4) -> slot, via copy_tokens."""
+    """The decode path: a staged region (vLLM CPU layout, block 4) -> slot, via copy_layers."""
     geo = KVGeometry(num_heads=H, head_size=D, block_size=4, dtype=DT)
     fmt = StagingFormat("vllm_cpu_vec", geo, num_layers=2)
     n = 10
@@ -311,7 +311,7 @@ def test_close_unlinks_everything_and_is_idempotent(shm_prefix):
     k, _ = target.kv(0)
     slot = target.allocate_slot()
     kv = _request_kv(2, 3, seed=0)
-    target.write_slot(slot, kv, 3)
+    _write_slot(target, slot, kv, 3)
     target.close()
     assert _segments(shm_prefix) == []
     target.close()
@@ -320,7 +320,7 @@ def test_close_unlinks_everything_and_is_idempotent(shm_prefix):
     with pytest.raises(RuntimeError, match="closed"):
         target.kv(0)
     with pytest.raises(RuntimeError, match="closed"):
-        target.write_slot(slot, kv, 3)
+        _write_slot(target, slot, kv, 3)
 
 
 def test_failed_construction_leaves_nothing_behind(shm_prefix):
@@ -333,3 +333,8 @@ def test_failed_construction_leaves_nothing_behind(shm_prefix):
         assert _segments(shm_prefix) == [f"{shm_prefix}_p0_b2"]  # only the foreign file
     finally:
         os.unlink(clash)
+
+
+def _write_slot(target, slot, layer_kv, n):
+    """A request's per-layer K/V ``[heads, >=n, head_dim]`` as one block each, into ``slot``."""
+    return target.write_slot_from_blocks(slot, [(k[None], v[None]) for k, v in layer_kv], [0], n)

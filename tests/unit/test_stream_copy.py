@@ -138,7 +138,7 @@ def test_copy_tokens_writes_the_same_bytes_natively_as_through_numpy(
         dst = get_layout(dst_kind).allocate(16, dst_geo)
         views = (get_layout(src_kind).kv_views(src, src_geo),
                  get_layout(dst_kind).kv_views(dst, dst_geo))  # fmt: skip
-        token_copies.copy_tokens(views[0], src_blocks, views[1], dst_blocks, 5, 70,
+        copy_tokens(views[0], src_blocks, views[1], dst_blocks, 5, 70,
                            token_copies.HeadRange(1, 3, 0), dst_t0=13)  # fmt: skip
         results.append(dst)
     assert torch.equal(results[0].view(torch.int16), results[1].view(torch.int16))
@@ -165,9 +165,9 @@ def test_vllm_cpu_keys_are_transposed_natively_to_and_from_a_slot(into_cpu):
     )
     cpu_kv, slot_kv = cpu.kv_views(layers[0], cpu_geo), slot.kv_views(layers[1], slot_geo)
     if into_cpu:
-        token_copies.copy_tokens(slot_kv, [1], cpu_kv, cpu_blocks, 0, n)
+        copy_tokens(slot_kv, [1], cpu_kv, cpu_blocks, 0, n)
     else:
-        token_copies.copy_tokens(cpu_kv, cpu_blocks, slot_kv, [1], 0, n)
+        copy_tokens(cpu_kv, cpu_blocks, slot_kv, [1], 0, n)
     for want, got in zip(gather_tokens(cpu_kv, cpu_blocks, n), gather_tokens(slot_kv, [1], n),
                          strict=True):  # fmt: skip
         assert torch.equal(want.view(torch.int16), got.view(torch.int16))
@@ -179,4 +179,11 @@ def test_block_ids_outside_the_cache_are_refused_before_a_native_copy():
     hnd = get_layout("LBHNC")
     src, dst = hnd.kv_views(hnd.allocate(4, geo), geo), hnd.kv_views(hnd.allocate(4, geo), geo)
     with pytest.raises(IndexError, match="outside 0..3"):
-        token_copies.copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)
+        copy_tokens(src, [0, 1], dst, [2, 4], 0, 32)
+
+
+from vllm_qaic_connector.kv.token_copies import copy_layers  # noqa: E402
+
+
+def copy_tokens(src, src_blocks, dst, dst_blocks, t0, t1, heads=None, dst_t0=None):
+    return copy_layers([src], src_blocks, [dst], dst_blocks, t0, t1, heads, dst_t0)

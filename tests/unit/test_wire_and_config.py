@@ -22,9 +22,9 @@ from vllm_qaic_connector.protocol.wire import (
     HandshakeRequest,
     Ok,
     ReleaseRequest,
-    decode_message,
     encode_message,
     incompatibility,
+    open_message,
     parse_remote_prefill,
     ticket_mac,
     ticket_problem,
@@ -34,18 +34,18 @@ from vllm_qaic_connector.protocol.wire import (
 def test_handshake_round_trip_with_and_without_key():
     reply = HandshakeReply(PROTOCOL_VERSION, [rank_meta(), rank_meta(tp_rank=1)])
     for key in (None, b"secret"):
-        assert decode_message(encode_message(reply, key), key) == reply
+        assert _decode(encode_message(reply, key), key) == reply
 
 
 def test_wrong_key_is_refused():
     frame = encode_message(ReleaseRequest(["r"]), b"right")
     with pytest.raises(ValueError, match="authentication"):
-        decode_message(frame, b"wrong")
+        _decode(frame, b"wrong")
 
 
 def test_garbage_is_a_clear_error():
     with pytest.raises(ValueError, match="malformed side-channel message"):
-        decode_message(b"\0" * 32 + b"\x93garbage", None)
+        _decode(b"\0" * 32 + b"\x93garbage", None)
 
 
 @pytest.mark.parametrize(
@@ -283,3 +283,7 @@ def test_a_signed_ticket_survives_a_router_that_names_the_prefill_s_host():
                  {"adapter": "0" * 16}):  # fmt: skip
         edited = msgspec.structs.replace(routed, **edit)  # type: ignore[arg-type]
         assert "does not match" in (ticket_problem(edited, key) or ""), edit
+
+
+def _decode(frame, key):
+    return open_message(frame, key).message

@@ -5,7 +5,7 @@ numbers in, numbers out; nothing here touches memory."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,19 +79,6 @@ def merged(
     return frm[starts], to[starts], np.add.reduceat(sizes, starts)
 
 
-def merge_runs(runs: Iterable[ByteRun]) -> list[ByteRun]:
-    """Fewer, longer runs: a run that continues the previous one on both sides joins it
-    (a transfer costs per descriptor)."""
-    out: list[ByteRun] = []
-    for r in runs:
-        last = out[-1] if out else None
-        if last and last.src + last.nbytes == r.src and last.dst + last.nbytes == r.dst:
-            out[-1] = ByteRun(last.src, last.dst, last.nbytes + r.nbytes)
-        elif r.nbytes:
-            out.append(r)
-    return out
-
-
 def plan_slot_reads(
     geo: KVGeometry, num_tokens: int, slot: int, buffers: Sequence[tuple[int, int]]
 ) -> list[ByteRun]:
@@ -104,9 +91,11 @@ def plan_slot_reads(
     row = geo.head_size * geo.dtype.itemsize
     head_bytes = geo.block_size * row
     plane = geo.num_heads * head_bytes  # one layer's K (or V) of one slot, staged or target
-    return merge_runs(
-        ByteRun((2 * layer + kind) * plane + head, base + slot * plane + head, num_tokens * row)
+    whole = num_tokens * row == head_bytes  # the prompt fills the slot: a plane is one run
+    size, heads = (plane, [0]) if whole else (num_tokens * row, range(0, plane, head_bytes))
+    return [
+        ByteRun((2 * layer + kind) * plane + head, base + slot * plane + head, size)
         for layer, pair in enumerate(buffers)
         for kind, base in enumerate(pair)
-        for head in range(0, plane, head_bytes)  # each head's first byte in a plane
-    )
+        for head in heads  # each head's first byte in a plane
+    ]

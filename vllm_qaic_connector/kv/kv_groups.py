@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm_qaic_connector.layout import KVGeometry
+
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -65,12 +67,13 @@ def groups_of(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
     return tuple(groups)
 
 
-def attention_spec(kv_cache_config: KVCacheConfig) -> Any:
-    """The spec of the first attention group: the geometry every KV group shares."""
+def attention_geometry(kv_cache_config: KVCacheConfig) -> KVGeometry:
+    """The first attention group's geometry: the one every KV group shares."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     specs = (g.kv_cache_spec for g in kv_cache_config.kv_cache_groups)
-    return next(s for s in specs if not isinstance(s, MambaSpec))
+    s: Any = next(s for s in specs if not isinstance(s, MambaSpec))  # an attention spec
+    return KVGeometry(s.num_kv_heads, s.head_size, s.block_size, s.dtype)
 
 
 def has_state(groups: Sequence[KVGroup]) -> bool:

@@ -30,21 +30,11 @@ def attention_isa(geometry: KVGeometry) -> str:
     return str(_get_attn_isa(geometry.dtype, geometry.block_size, geometry.head_size))
 
 
-def write_with_vllm_op(
-    layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, isa: str
-) -> None:
-    """Write ``key``/``value`` ``[tokens, heads, head_dim]`` at ``slots`` the way vLLM's CPU
-    attention backend does with ``isa``."""
-    from vllm import _custom_ops as ops
-
-    nb, heads, bs, two_d = layer.shape
-    key_cache, value_cache = layer.view(nb, heads, 2 * bs, two_d // 2).chunk(2, dim=2)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-
-
 def matches_vllm_op(kind: str, isa: str, geometry: KVGeometry) -> bool:
     """Whether vLLM's cache-write op with ``isa`` packs tokens the way layout ``kind`` reads
     them: random K and V over a block edge, into blocks out of order."""
+    from vllm import _custom_ops as ops
+
     bs, head_size, dtype = geometry.block_size, geometry.head_size, geometry.dtype
     geo = KVGeometry(num_heads=2, head_size=head_size, block_size=bs, dtype=dtype)
     layout = get_layout(kind)
@@ -55,7 +45,8 @@ def matches_vllm_op(kind: str, isa: str, geometry: KVGeometry) -> bool:
     blocks = [2, 0]  # out of order on purpose
     t = torch.arange(num_tokens)  # int64, as vLLM's slot mapping
     slots = torch.tensor(blocks)[t // bs] * bs + t % bs
-    write_with_vllm_op(layer, key, value, slots, isa)
+    k_cache, v_cache = layer.view(3, 2, 2 * bs, head_size).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa)
     got_k, got_v = gather_tokens(layout.kv_views(layer, geo), blocks, num_tokens)
     return torch.equal(got_k, key.transpose(0, 1)) and torch.equal(got_v, value.transpose(0, 1))
 

@@ -41,10 +41,6 @@ class StagingTarget:
     ) -> StagingFormat:
         """The most a request of ``num_tokens`` can stage: none of its blocks dropped yet."""
         starts = staged_starts(groups, num_tokens, self.block_size, (0,) * len(groups))
-        return StagingFormat(
-            self.layout_kind,
-            dataclasses.replace(geometry, block_size=self.block_size),
-            len(layer_groups),
-            layer_starts(starts, layer_groups, len(layer_groups)),
-            state_bytes(groups),
-        )
+        n, geometry = len(layer_groups), dataclasses.replace(geometry, block_size=self.block_size)
+        firsts = layer_starts(starts, layer_groups, n)
+        return StagingFormat(self.layout_kind, geometry, n, firsts, state_bytes(groups))

@@ -1,6 +1,6 @@
 """The one token-copy primitive and its plans: copy tokens ``[t0, t1)`` of heads
-``[h0, h1)`` between the canonical views of any two layouts (`copy_tokens`, `copy_layers`
-for all layers at once), whole blocks between equal CPU packings, and the byte plans the
+``[h0, h1)`` between the canonical views of any two layouts, every layer at once (`copy_layers`),
+whole blocks between equal CPU packings, and the byte plans the
 native copy runs (`BlockRows`, `BlockTiles`). Nothing here imports vLLM or does I/O.
 """
 
@@ -51,25 +51,13 @@ class HeadRange:
     dst_start: int = 0
 
 
-def copy_tokens(
-    src: KV, src_blocks: Sequence[int], dst: KV, dst_blocks: Sequence[int], t0: int, t1: int,
-    heads: HeadRange | None = None, dst_t0: int | None = None,
-) -> int:  # fmt: skip
-    """Copy tokens ``[t0, t1)`` of ``heads`` from canonical views ``src`` to ``dst``.
-
-    ``src_blocks[i]`` / ``dst_blocks[i]`` is the physical block holding logical block i.
-    Returns the number of bytes written.
-    """
-    return copy_layers([src], src_blocks, [dst], dst_blocks, t0, t1, heads, dst_t0)
-
-
 def copy_layers(
     src: Sequence[KV], src_blocks: Sequence[int], dst: Sequence[KV], dst_blocks: Sequence[int],
     t0: int, t1: int, heads: HeadRange | None = None, dst_t0: int | None = None,
 ) -> int:  # fmt: skip
-    """`copy_tokens` for every layer pair of ``src`` and ``dst``: where the native row copy
-    applies and the layers share strides (one allocation, as vLLM makes them), one call
-    covers every layer, so the Python cost is per plan step, not per layer."""
+    """Tokens ``[t0, t1)`` (of ``heads``) for every layer pair of ``src`` and ``dst``: where
+    the native row copy applies and the layers share strides (one allocation, as vLLM makes
+    them), one call covers every layer, so the Python cost is per plan step, not per layer."""
     if not src or not dst:
         return 0
     if isinstance(src[0], PackedKV) or isinstance(dst[0], PackedKV):
@@ -342,7 +330,7 @@ def _batches(
     t0: int, t1: int, src_bs: int, dst_bs: int, dst_t0: int | None,
     src_blocks: Sequence[int], dst_blocks: Sequence[int], src_n: int, dst_n: int,
 ) -> list[_Batch]:  # fmt: skip
-    """``copy_tokens``' runs grouped by length, each group one native copy: a few groups
+    """``copy_layers``' runs grouped by length, each group one native copy: a few groups
     (one when the block sizes match or divide), however many blocks. The block ids must
     lie in ``[0, src_n)`` and ``[0, dst_n)``: they are copied by address."""
     src, dst = np.asarray(src_blocks, dtype=np.int64), np.asarray(dst_blocks, dtype=np.int64)

@@ -15,12 +15,7 @@ from collections import defaultdict
 
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import (
-    Message,
-    RemotePrefill,
-    Renewed,
-    RenewRequest,
-)
+from vllm_qaic_connector.protocol.wire import RemotePrefill, Renewed, RenewRequest
 
 logger = get_logger(__name__)
 MIN_PERIOD_S, MAX_PERIOD_S = 0.1, 10.0
@@ -87,18 +82,15 @@ class LeaseRenewer:
             for (host, port), ids in by_peer.items():
                 self._renew(host, port, ids)
 
-    def _send(self, host: str, port: int, msg: Message, timeout: float) -> Message | None:
-        try:
-            return side_channel.call(host, port, msg, self._key, timeout)
-        except ConnectionError as exc:  # its loads fail, or its lease ends, on their own
-            logger.debug("QAICConnector: %s to %s:%d failed: %s", msg, host, port, exc)
-            return None
-
     def _renew(self, host: str, port: int, ids: dict[str, str]) -> None:
         """``ids``: the prefill's request id -> ours."""
         sent = time.time()
         timeout = min(self._timeout_s, self._period())
-        reply = self._send(host, port, RenewRequest(list(ids)), timeout)
+        try:
+            reply = side_channel.call(host, port, RenewRequest(list(ids)), self._key, timeout)
+        except ConnectionError as exc:  # its loads fail, or its lease ends, on their own
+            logger.debug("QAICConnector: renewal at %s:%d failed: %s", host, port, exc)
+            return
         if not isinstance(reply, Renewed):
             return
         with self._lock:

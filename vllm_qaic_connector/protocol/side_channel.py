@@ -53,16 +53,15 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 class ReplayGuard:
     """Remembers the nonces of the last MAX_AGE_S: a frame is accepted once, while fresh."""
 
-    def __init__(self, max_age_s: float = MAX_AGE_S) -> None:
-        self.max_age_s = max_age_s
+    def __init__(self) -> None:
         self._seen: dict[bytes, float] = {}  # nonce -> when it expires from memory
 
-    def problem(self, nonce: bytes, sent_at: float, now: float | None = None) -> str | None:
-        now = time.time() if now is None else now
-        if abs(now - sent_at) > self.max_age_s:
+    def problem(self, nonce: bytes, sent_at: float) -> str | None:
+        now = time.time()
+        if abs(now - sent_at) > MAX_AGE_S:
             return (
                 f"stale message: sent {now - sent_at:+.1f}s from now, more than "
-                f"{self.max_age_s:.0f}s (peers' clocks must agree)"
+                f"{MAX_AGE_S:.0f}s (peers' clocks must agree)"
             )
         while self._seen:  # insertion order is expiry order
             oldest, until = next(iter(self._seen.items()))
@@ -71,7 +70,7 @@ class ReplayGuard:
             del self._seen[oldest]
         if nonce in self._seen:
             return "replayed message: its nonce was seen before"
-        self._seen[nonce] = now + 2 * self.max_age_s
+        self._seen[nonce] = now + 2 * MAX_AGE_S
         return None
 
 

@@ -317,10 +317,6 @@ def open_message(frame: bytes, key: bytes | None) -> Envelope:
         raise ValueError(f"malformed side-channel message: {exc}") from None
 
 
-def decode_message(frame: bytes, key: bytes | None) -> Message:
-    return open_message(frame, key).message
-
-
 # --- kv_transfer_params --------------------------------------------------------------------
 
 

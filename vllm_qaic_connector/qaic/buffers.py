@@ -1,4 +1,4 @@
-"""QAIC KV buffer names: prefix validation, renaming and selection by regex.
+"""QAIC KV buffer names: prefix validation and selection by regex.
 
 A QAIC decode program keeps each layer's KV in retained-state buffers named
 ``past_key.{i}`` / ``past_value.{i}``. The output side is ``..._RetainedState``, or
@@ -41,24 +41,6 @@ def validate_prefix(prefix: str | None) -> str | None:
             "(no '_', '-', spaces or other characters), as in QEfficient's kv_cache_prefix"
         )
     return prefix
-
-
-def apply_prefix(name: str, prefix: str | None) -> str:
-    """Rename an unprefixed KV buffer name the way QEfficient's ``kv_cache_prefix`` does.
-
-    ``past_key.3`` -> ``past_key.3_P``; ``past_value.3_RetainedState`` ->
-    ``past_value.3_P_RetainedState``; same for ``_InternalRetainedState``. Any other name
-    (vision buffers, already-prefixed names) raises ValueError: renaming a buffer that is not
-    LLM KV would make the connector select it. ``prefix=None`` returns the name unchanged.
-    """
-    parsed = parse_kv_name(name, kv_buffer_regex(None))  # the selection rule, unprefixed
-    if parsed is None:
-        raise ValueError(
-            f"{name!r} is not an unprefixed KV buffer name (past_key.N / past_value.N)"
-        )
-    if validate_prefix(prefix) is None:
-        return name
-    return f"past_{parsed.kind}.{parsed.layer}_{prefix}{parsed.suffix}"
 
 
 def kv_buffer_regex(prefix: str | None) -> re.Pattern[str]:

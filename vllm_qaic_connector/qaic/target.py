@@ -177,32 +177,13 @@ class SlotTarget:
                 raise ValueError(f"slot {slot} is not allocated (double release?)")
             heapq.heappush(self._free, slot)
 
-    def write_slot(self, slot: int, layer_kv: Sequence[KV], num_tokens: int) -> int:
-        """Write tokens ``[0, num_tokens)`` of every layer into slot ``slot``: one copy per
-        buffer from per-layer K/V ``[heads, >=num_tokens, head_dim]``. Returns bytes written."""
-        self._check_write(slot, len(layer_kv), num_tokens)
-        want = (self.num_heads, self.head_dim, self.dtype)
-        for layer, kv in enumerate(layer_kv):
-            for name, t in zip(("K", "V"), kv, strict=True):
-                ok = t.dim() == 3 and t.shape[1] >= num_tokens
-                if not ok or (t.shape[0], t.shape[2], t.dtype) != want:
-                    raise ValueError(
-                        f"layer {layer} {name} is {tuple(t.shape)} {t.dtype}, want "
-                        f"[{want[0]}, >={num_tokens}, {want[1]}] {want[2]}"
-                    )
-        written = 0
-        for layer, kv in enumerate(layer_kv):  # validated everything first: no partial writes
-            for dst, src in zip(self.kv(layer), kv, strict=True):
-                dst[slot, :, :num_tokens].copy_(src[:, :num_tokens])
-                written += src[:, :num_tokens].numel() * src.element_size()
-        return written
-
     def write_slot_from_blocks(
         self, slot: int, layer_views: Sequence[KV], blocks: Sequence[int], num_tokens: int
     ) -> int:
-        """Like ``write_slot`` from canonical views ``[blocks, heads, block_tokens, head_dim]``
-        (e.g. ``StagingFormat.layer_views``) and the request's block ids: the slot is one
-        block of ``ctx`` tokens, so this is `CopyPool.layers` into block ``slot``."""
+        """Write tokens ``[0, num_tokens)`` of every layer into ``slot`` from canonical views
+        ``[blocks, heads, block_tokens, head_dim]`` (e.g. ``StagingFormat.layer_views``) and
+        the request's block ids: the slot is one block of ``ctx`` tokens, so this is
+        `CopyPool.layers` into block ``slot``. Returns the bytes written."""
         self._check_write(slot, len(layer_views), num_tokens)
         for layer, (k, _) in enumerate(layer_views):
             if k.dtype != self.dtype or k.shape[1] != self.num_heads:

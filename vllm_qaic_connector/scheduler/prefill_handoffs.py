@@ -30,7 +30,7 @@ from vllm_qaic_connector.protocol.wire import RankMetadata, RemotePrefill, promp
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.step_metadata import SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, Generations
+from vllm_qaic_connector.tickets import HEADER_BYTES, generations
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -117,7 +117,7 @@ class PrefillHandoffs:
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
         self._named_at: dict[str, float] = {}  # decodes requests named, when last
-        self._generations = Generations()
+        self._generations = generations()
         self.preemptions = 0  # for stats, taken by the scheduler side
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
             peers.poll(host, port)
@@ -160,7 +160,7 @@ class PrefillHandoffs:
             out.error = self._no_pages(holder, quota, HEADER_BYTES + kv_bytes)
             logger.warning("QAICConnector: request %s: %s", rid, out.error)
             return 0, False
-        out.offset, out.generation = offset, self._generations.take()
+        out.offset, out.generation = offset, next(self._generations)
         return 0, False
 
     def _quota(self, holder: str, now: float) -> int | None:

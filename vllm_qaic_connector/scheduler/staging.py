@@ -122,12 +122,11 @@ class StagingPool:
             lease.expires_at = (time.monotonic() if now is None else now) + self.lease_s
             return True
 
-    def expires_in(self, request_id: str, now: float | None = None) -> float:
+    def expires_in(self, request_id: str) -> float:
         """Seconds until the request's lease ends (0 if it has none)."""
-        now = time.monotonic() if now is None else now
         with self._lock:
             lease = self._leases.get(request_id)
-            return max(lease.expires_at - now, 0.0) if lease else 0.0
+            return max(lease.expires_at - time.monotonic(), 0.0) if lease else 0.0
 
     def has(self, request_id: str) -> bool:
         with self._lock:

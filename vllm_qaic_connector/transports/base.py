@@ -68,9 +68,8 @@ class KVTransport(ABC):
         return None
 
     def read_into(
-        self, peer: TransportEndpoint, runs: Sequence[ByteRun], *, base_offset: int = 0,
-        notify: bytes | None = None,
-    ) -> int:  # fmt: skip
+        self, peer: TransportEndpoint, runs: Sequence[ByteRun], *, base_offset: int = 0
+    ) -> int:
         """Peer region ``[base_offset + run.src, +nbytes)`` straight into local address
         ``run.dst`` (memory shared with `share_kv_cache`), where the transport can."""
         raise ConnectionError(f"the {self.kind} transport cannot read into registered memory")

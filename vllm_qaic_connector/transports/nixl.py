@@ -194,9 +194,8 @@ class NixlTransport(KVTransport):
                 self._give_back(_Held(tensor, -1, held[1]))
 
     def read_into(
-        self, peer: TransportEndpoint, runs: Sequence[ByteRun], *, base_offset: int = 0,
-        notify: bytes | None = None,
-    ) -> int:  # fmt: skip
+        self, peer: TransportEndpoint, runs: Sequence[ByteRun], *, base_offset: int = 0
+    ) -> int:
         """One NIXL transfer, one descriptor per run: peer staging ``[base_offset + run.src,
         +nbytes)`` lands at local address ``run.dst``, which must lie in a registered
         destination. No receive buffer, no copy. Returns the bytes read."""
@@ -219,7 +218,7 @@ class NixlTransport(KVTransport):
                 raise ValueError(f"one read into several devices' memory: {sorted(devices)}")
             self._connect(agent, peer.agent_metadata)
             remote = [ByteRun(base + base_offset + r.src, r.dst, r.nbytes) for r in runs]
-            handle, state = self._start(agent, remote, notify, devices=(devices.pop(), peer.device))
+            handle, state = self._start(agent, remote, None, devices=(devices.pop(), peer.device))
         self._wait(agent, handle, state, None)
         return sum(r.nbytes for r in runs)
 

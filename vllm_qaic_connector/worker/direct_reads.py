@@ -201,26 +201,11 @@ class DirectReader:
         (the same layout); a second thread takes the ranges of the second half of the bytes."""
         frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
-        return self._copies.split(
-            lambda lo, hi: copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi]),
-            len(sizes),
-            int(sizes.sum()),
-            half,
-        )
 
-    def convert(
-        self,
-        src: PeerCache,
-        src_blocks: Sequence[int],
-        dst: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        dst_blocks: Sequence[int],
-        t0: int,
-        t1: int,
-    ) -> int:
-        """`copy_layers`: tokens ``[t0, t1)`` from every layer of ``src`` into our
-        canonical views ``dst``, in any layout and block size; a second thread takes the
-        second half of the layers."""
-        return self._copies.layers(src.layers, src_blocks, dst, dst_blocks, t0, t1)
+        def part(lo: int, hi: int) -> int:
+            return copy_ranges(frm[lo:hi], to[lo:hi], sizes[lo:hi])
+
+        return self._copies.split(part, len(sizes), int(sizes.sum()), half)
 
     def close(self) -> None:
         for owner in list(self._caches):

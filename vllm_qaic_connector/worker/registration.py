@@ -13,7 +13,7 @@ import torch
 
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
-    attention_spec,
+    attention_geometry,
     in_layer_order,
     layer_groups,
     layer_starts,
@@ -24,11 +24,7 @@ from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
-from vllm_qaic_connector.model_weights import (
-    checkpoint_fingerprint,
-    checkpoint_folder,
-    kv_settings,
-)
+from vllm_qaic_connector.model_weights import checkpoint_fingerprint, checkpoint_folder, kv_settings
 from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
     SharedCache,
@@ -134,7 +130,6 @@ def rank_of(
 
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
-    spec = attention_spec(kv_cache_config)
     model_cfg = vllm_config.model_config
     hf = model_cfg.hf_text_config
     identity = RankIdentity(
@@ -150,13 +145,7 @@ def rank_of(
             (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
         ),
     )
-    geometry = KVGeometry(
-        num_heads=spec.num_kv_heads,  # type: ignore[attr-defined]
-        head_size=spec.head_size,  # type: ignore[attr-defined]
-        block_size=spec.block_size,
-        dtype=spec.dtype,  # type: ignore[attr-defined]
-    )
-    return identity, geometry
+    return identity, attention_geometry(kv_cache_config)
 
 
 def local_cache(

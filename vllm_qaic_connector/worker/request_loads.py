@@ -16,11 +16,7 @@ from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
-    ack_message,
-    direct_problem,
-)
+from vllm_qaic_connector.protocol.wire import RankMetadata, ack_message, direct_problem
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.tickets import StaleTicket, checked_read, checked_region
 from vllm_qaic_connector.transports import KVTransport
@@ -144,17 +140,11 @@ class RequestLoads:
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
             ack = self._ack(remote.remote_request_id, r)
-            with (
-                checked_read(
-                    transport,
-                    src_rank.endpoint,
-                    remote.staging_offset,
-                    fmt.request_bytes(remote.num_tokens),
-                    remote.generation,
-                    ack,
-                ) as region,
-                gate.writing(),
-            ):
+            nbytes = fmt.request_bytes(remote.num_tokens)
+            read = checked_read(
+                transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation, ack
+            )
+            with read as region, gate.writing():
                 views = fmt.layer_views(region, remote.num_tokens)
                 runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
                 for (group, shift), layers in runs:  # none: a rank read for its state
@@ -210,7 +200,7 @@ class RequestLoads:
                 copied = (
                     self.direct.copy(mapped, theirs[lo:hi], cache.tensors, ours[lo:hi])
                     if (layout, geometry) == (cache.layout, cache.geometry) and not first % bs
-                    else self.direct.convert(mapped, theirs, cache.layers, ours, first, end)
+                    else self.copies.layers(mapped.layers, theirs, cache.layers, ours, first, end)
                 )  # converted, or the first block is partly ours already
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)
