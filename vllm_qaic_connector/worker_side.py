@@ -18,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.kv_groups import KVGroup, groups_of
-from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
@@ -106,10 +105,6 @@ class WorkerSide:
     @property
     def layers(self) -> list[Views]:
         return self.cache.layers if self.cache else []
-
-    @property
-    def state(self) -> RecurrentState | None:
-        return self.cache.state if self.cache else None
 
     @classmethod
     def from_vllm(

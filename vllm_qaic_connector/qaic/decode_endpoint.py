@@ -24,32 +24,16 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
-from vllm_qaic_connector.logs import get_logger
-from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol import side_channel, wire
 from vllm_qaic_connector.protocol.leases import LeaseRenewer
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
-from vllm_qaic_connector.protocol.wire import (
-    ErrorReply,
-    HandshakeRequest,
-    Message,
-    Ok,
-    RankMetadata,
-    ReleaseRequest,
-    RemotePrefill,
-    ack_message,
-    compat_hash,
-    handshake_reply,
-    parse_remote_prefill,
-    ticket_problem,
-)
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.tickets import checked_read, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 
-logger = get_logger(__name__)
 T = TypeVar("T")
 # bytes_copied: host copies only; dma_bytes: what lands in slots.
 COUNTERS: tuple[str, ...] = ("loaded_requests", "loaded_tokens", "load_failures")
@@ -109,12 +93,12 @@ class DecodeEndpoint:
             self._close_io()
             raise
         dtype = str(t.dtype).removeprefix("torch.")
-        self.rank = RankMetadata(
+        self.rank = wire.RankMetadata(
             engine_id=cfg.engine_id, tp_rank=0, tp_size=1, layout_kind="qaic_slot",
             block_size=t.ctx_len,  # one slot = one block: the prefill stages exactly a slot
             num_blocks=t.num_slots, num_kv_heads=t.num_heads, head_size=t.head_dim, dtype=dtype,
             num_layers=t.num_layers, model=cfg.model, weights=cfg.weights,
-            compat_hash=compat_hash(dtype, t.num_layers, t.num_heads, t.head_dim),
+            compat_hash=wire.compat_hash(dtype, t.num_layers, t.num_heads, t.head_dim),
             endpoint=self.reader.endpoint(),  # over NIXL: the agent holding the slot buffers
             incarnation=incarnation,
         )  # fmt: skip
@@ -130,12 +114,12 @@ class DecodeEndpoint:
         self._io = ThreadPoolExecutor(1, thread_name_prefix="qaic-bind")
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="qaic-decode")
 
-    def _handle(self, msg: Message) -> Message:
-        if isinstance(msg, HandshakeRequest):
-            return handshake_reply(msg, [self.rank])
-        if isinstance(msg, ReleaseRequest):
-            return Ok()  # we never stage anything for others
-        return ErrorReply(f"unexpected message {type(msg).__name__}")
+    def _handle(self, msg: wire.Message) -> wire.Message:
+        if isinstance(msg, wire.HandshakeRequest):
+            return wire.handshake_reply(msg, [self.rank])
+        if isinstance(msg, wire.ReleaseRequest):
+            return wire.Ok()  # we never stage anything for others
+        return wire.ErrorReply(f"unexpected message {type(msg).__name__}")
 
     async def decode(
         self, params: Any, prompt_ids: list[int], max_tokens: int
@@ -149,16 +133,16 @@ class DecodeEndpoint:
             want = "kv_transfer_params with do_remote_prefill (send it through a router)"
             raise Refused(400, f"a QAIC decode only decodes handed-off requests: {want}")
         try:
-            remote = parse_remote_prefill(params)
+            remote = wire.parse_remote_prefill(params)
         except ValueError as exc:
             raise Refused(400, str(exc)) from None
-        if unusable := ticket_problem(remote, self.key):  # unsigned: never contacted
+        if unusable := wire.ticket_problem(remote, self.key):  # unsigned: never contacted
             raise Refused(403, unusable)
         rid, acked, slot = f"qaic-{next(self._ids)}", False, None
         self.leases.want(rid, remote)  # renewed while it waits for a slot
         try:
             # The programs run the base model ("": no LoRA adapter).
-            if unusable := ticket_problem(remote, None, prompt=prompt_ids, adapter=""):
+            if unusable := wire.ticket_problem(remote, None, prompt=prompt_ids, adapter=""):
                 raise Refused(400, unusable)
             if not len(prompt_ids) - 1 <= remote.num_tokens <= self.target.ctx_len:
                 raise Refused(400, f"{remote.num_tokens} staged tokens for a prompt of "
@@ -185,8 +169,8 @@ class DecodeEndpoint:
         """Raises ``refusal``, a server's own (a body it cannot serve), after freeing the
         prefill's staging of a sound ticket, as the endpoint's own refusals do."""
         with contextlib.suppress(ValueError):
-            remote = parse_remote_prefill(params)
-            if ticket_problem(remote, self.key) is None:
+            remote = wire.parse_remote_prefill(params)
+            if wire.ticket_problem(remote, self.key) is None:
                 await self._run(self._io, side_channel.release, remote, self.key, 10.0)
         raise refusal
 
@@ -213,10 +197,10 @@ class DecodeEndpoint:
         self.slots_in_use -= 1
         self._slot_sem.release()
 
-    def _bind(self, slot: int, remote: RemotePrefill, held_until: float) -> bool:
+    def _bind(self, slot: int, remote: wire.RemotePrefill, held_until: float) -> bool:
         """Write the staged prompt KV into ``slot`` and bind it; whether the read carried
         the acknowledgement (NIXL), so no release is left to send."""
-        if late := ticket_problem(remote, None, renewed_until=held_until):
+        if late := wire.ticket_problem(remote, None, renewed_until=held_until):
             raise ConnectionError(late)
         ranks = self.peers.get(remote.remote_host, remote.remote_port)
         if ranks[0].incarnation != remote.incarnation:  # the prefill restarted: meet it again
@@ -231,7 +215,7 @@ class DecodeEndpoint:
                          torch_dtype(src.dtype))  # fmt: skip
         ack = None
         if self.reader.delivers_notifications:
-            ack = ack_message(remote.remote_request_id, 0, 1, 0, self.key)
+            ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key)
         if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
             runs = self.puller.pull(slot, src.endpoint, remote.staging_offset, geo, n,
                                     remote.generation, ack)  # fmt: skip

@@ -184,7 +184,9 @@ class SlotTarget:
         ``[blocks, heads, block_tokens, head_dim]`` (e.g. ``StagingFormat.layer_views``) and
         the request's block ids: the slot is one block of ``ctx`` tokens, so this is
         `CopyPool.layers` into block ``slot``. Returns the bytes written."""
-        self._check_write(slot, len(layer_views), num_tokens)
+        self.check_writable(slot, num_tokens)
+        if len(layer_views) != self.num_layers:
+            raise ValueError(f"got KV for {len(layer_views)} layers, target has {self.num_layers}")
         for layer, (k, _) in enumerate(layer_views):
             if k.dtype != self.dtype or k.shape[1] != self.num_heads:
                 raise ValueError(
@@ -228,8 +230,3 @@ class SlotTarget:
         with self._lock:
             if slot in self._free:
                 raise ValueError(f"slot {slot} is not allocated; call allocate_slot() first")
-
-    def _check_write(self, slot: int, num_layers: int, num_tokens: int) -> None:
-        self.check_writable(slot, num_tokens)
-        if num_layers != self.num_layers:
-            raise ValueError(f"got KV for {num_layers} layers, target has {self.num_layers}")
