@@ -34,6 +34,8 @@ from vllm_qaic_connector.protocol.wire import (
     RankMetadata,
     ReleaseRequest,
     RemotePrefill,
+    Renewed,
+    RenewRequest,
     compat_hash,
     parse_ack,
     prompt_hash,
@@ -60,6 +62,7 @@ class FakePrefill:
         name = staging_name(self.engine, 0, self.incarnation)
         self.transport = create_transport(transport, name, 4 << 20, 10.0)
         self._released: list[str] = []
+        self.renewed: list[str] = []
         self.headers = RegionHeaders(self.transport.staging)
         self.generation = 1 << 32
         self.server = SideChannelServer("127.0.0.1", 0, self._handle, None)
@@ -68,6 +71,9 @@ class FakePrefill:
         if isinstance(msg, ReleaseRequest):
             self._released += msg.request_ids
             return Ok()
+        if isinstance(msg, RenewRequest):
+            self.renewed += msg.request_ids
+            return Renewed(msg.request_ids)
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
             self.engine, 0, 1, "vllm_cpu_vec", 16, 64, H, D, TINY.dtype, L, TINY.name,
@@ -87,7 +93,9 @@ class FakePrefill:
             time.sleep(0.01)
         return self._released
 
-    def stage(self, rid: str, ids: list[int], layout: str, block: int) -> dict[str, Any]:
+    def stage(
+        self, rid: str, ids: list[int], layout: str, block: int, lease_s: float = 60.0
+    ) -> dict[str, Any]:
         """Stage the prompt's KV (computed by transformers) as the connector's prefill would."""
         model = _model()
         with torch.no_grad():
@@ -114,8 +122,8 @@ class FakePrefill:
             incarnation=self.incarnation,
             generation=self.generation,
             prompt_hash=prompt_hash(ids),
-            lease_s=60.0,
-            expires_at=time.time() + 60.0,
+            lease_s=lease_s,
+            expires_at=time.time() + lease_s,
         )
         return msgspec.to_builtins(params)
 
@@ -315,6 +323,32 @@ def test_refusals_free_the_slot_and_the_staging(tag):
         assert prefill.released(5) == ["r0"] * 5  # every handed-off request freed its staging
         assert emu.endpoint.slots_in_use == 0 and emu.endpoint.counters["slot_wait_timeouts"] == 1
         assert emu.endpoint.target.allocate_slot() == 0  # nothing leaked
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_a_request_waiting_for_a_slot_keeps_its_lease(tag):
+    """Queued behind a busy slot for longer than its lease, a request's lease is renewed
+    while it waits, so it is decoded from its KV when the slot comes free, not refused."""
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX))
+    try:
+        prompt, answer = copy_task.heldout_prompts(1)[0]
+        params = prefill.stage("r0", emu.tokenizer.encode(prompt), "qaic_slot", CTX, lease_s=1.0)
+
+        async def scenario(client: TestClient) -> tuple[int, dict]:
+            slot = await emu.endpoint._acquire_slot()  # the only slot is busy for 2.5 leases
+            waiting = asyncio.ensure_future(_post(client, prompt, params))
+            await asyncio.sleep(2.5)
+            emu.endpoint._free_slot(slot)
+            return await waiting
+
+        status, body = _run(emu, scenario)
+        assert status == 200, body
+        assert copy_task.is_correct(body["choices"][0]["text"], answer)
+        assert prefill.renewed.count("r0") >= 2 and prefill.released(1) == ["r0"]
+        assert emu.endpoint.counters["slot_waits"] == 1
     finally:
         emu.close()
         prefill.close()
