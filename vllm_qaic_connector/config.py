@@ -16,6 +16,7 @@ DEFAULT_STAGING_BYTES = 256 << 20  # the pool's floor
 MAX_AUTO_STAGING = 4 << 30  # and the most it takes unasked: host memory on every staging rank
 MAX_BLOCK_TOKENS = 1024  # the largest decode block a staged prompt's layers round up to
 EVERY_ADDRESS = ("0.0.0.0", "::", "")  # binds that no peer can dial
+_POSITIVE = ("staging_page_bytes", "lease_s", "handshake_timeout_s", "load_timeout_s")
 
 
 class ConnectorConfig(
@@ -62,13 +63,7 @@ class ConnectorConfig(
                 "/proc/<pid>/cmdline and in vLLM's config log. Put the key in a file named by "
                 f"side_channel_key_file (mode 0600) or in ${KEY_ENV}"
             )
-        positive = {
-            "staging_bytes": self.pool_bytes,
-            "staging_page_bytes": self.staging_page_bytes,
-            "lease_s": self.lease_s,
-            "handshake_timeout_s": self.handshake_timeout_s,
-            "load_timeout_s": self.load_timeout_s,
-        }
+        positive = {"staging_bytes": self.pool_bytes} | {k: getattr(self, k) for k in _POSITIVE}
         for key, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{key} must be > 0, got {value}")

@@ -30,19 +30,22 @@ DESCRIPTORS = re.compile(r"programs=(\d+) NIXL descriptors per handoff=(\d+)")
 
 
 @pytest.mark.parametrize(
-    ("transport", "programs", "arch"),
-    [("shm", "1", None), ("nixl", "2", "qwen3")],
-    ids=["shm", "nixl-layer-split-random-qwen3-sentencepiece"],
+    ("transport", "programs", "arch", "router"),
+    [("shm", "1", None, "vllm-router"), ("nixl", "2", "qwen3", "proxy")],
+    ids=["shm-behind-vllm-router", "nixl-layer-split-random-qwen3-sentencepiece"],
 )
-def test_vllm_prefill_to_qaic_emulator(tmp_path_factory, transport, programs, arch):
-    """The shipped model (whose answers are known), and a random Qwen3 with a
-    SentencePiece-style tokenizer (4 KV heads of 64, 3 layers, byte pieces: its answers
-    must agree with the aggregated server's token for token)."""
+def test_vllm_prefill_to_qaic_emulator(tmp_path_factory, transport, programs, arch, router):
+    """The shipped model (whose answers are known) behind vLLM's own router, which names no
+    decode (the prefill stages in its own layout; the endpoint converts into the slot), and
+    a random Qwen3 with a SentencePiece-style tokenizer (4 KV heads of 64, 3 layers, byte
+    pieces: its answers must agree with the aggregated server's token for token) behind the
+    proxy, which names the decode (staged as a slot: the only host copy is the staging)."""
     model = random_model(tmp_path_factory, arch, "sentencepiece") if arch else MODEL_DIR
     # 8 slots for 16 requests in flight: slots must be waited for, freed and reused.
     rc, out = harness(
         DECODE_TARGET="qaic", NUM_PROMPTS="16", CONCURRENCY="16", QAIC_SLOTS="8",
         KV_CACHE_PREFIX="P0", KV_TRANSPORT=transport, QAIC_PROGRAMS=programs, MODEL=str(model),
+        ROUTER=router,
         **({"DTYPE": "float32"} if arch else {}),  # float32: only other KV parts answers
         **({} if arch else {"LONE_GAPS": "0"}),  # the idle gaps: over NIXL (CI time)
     )  # fmt: skip
@@ -55,7 +58,7 @@ def test_vllm_prefill_to_qaic_emulator(tmp_path_factory, transport, programs, ar
     assert slots, "no slot report"
     assert int(slots.group(1)) == 8 and 1 <= int(slots.group(2)) <= 8
     assert int(slots.group(3)) == 0
-    assert "host copies per handoff: 1.00" in out
+    assert f"host copies per handoff: {'1.00' if router == 'proxy' else '2.00'}" in out
     descriptors = DESCRIPTORS.search(out)
     assert descriptors and descriptors.group(1) == programs
     # Over NIXL, one READ descriptor per (layer, K|V, KV head) lands in the slot.

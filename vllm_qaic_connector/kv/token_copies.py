@@ -15,7 +15,7 @@ import torch
 
 from vllm_qaic_connector.kv.cpu_packing import PackedKV
 from vllm_qaic_connector.kv.stream_copy import NATIVE, BlockRows, BlockTiles
-from vllm_qaic_connector.layout import KV, blocks_for_tokens
+from vllm_qaic_connector.layout import KV
 
 
 def plan_token_runs(
@@ -60,14 +60,14 @@ def copy_layers(
     them), one call covers every layer, so the Python cost is per plan step, not per layer."""
     if not src or not dst:
         return 0
+    h = heads or HeadRange(0, src[0][0].shape[1])
     if isinstance(src[0], PackedKV) or isinstance(dst[0], PackedKV):
-        return _copy_packed(src, src_blocks, dst, dst_blocks, t0, t1, heads, dst_t0)
+        return _copy_packed(src, src_blocks, dst, dst_blocks, t0, t1, h, dst_t0)
     k, k_out = src[0][0], dst[0][0]
     src_bs, dst_bs = k.shape[2], k_out.shape[2]
     if k.shape[3] != k_out.shape[3] or k.dtype != k_out.dtype:  # bytes are copied
         raise ValueError(f"head size or dtype differs: {k[0, 0].shape} {k.dtype} vs "
                          f"{k_out[0, 0].shape} {k_out.dtype}")  # fmt: skip
-    h = heads or HeadRange(0, k.shape[1])
     nh = h.stop - h.start
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
@@ -96,7 +96,7 @@ def copy_layers(
 
 def _copy_packed(
     src: Sequence[KV], src_blocks: Sequence[int], dst: Sequence[KV], dst_blocks: Sequence[int],
-    t0: int, t1: int, heads: HeadRange | None, dst_t0: int | None,
+    t0: int, t1: int, h: HeadRange, dst_t0: int | None,
 ) -> int:  # fmt: skip
     """`copy_layers` where a side is packed: whole blocks as they are between equal packings
     from a block's start, else through canonical copies of the blocks involved (a packed
@@ -106,7 +106,6 @@ def _copy_packed(
     at = t0 if dst_t0 is None else dst_t0
     src_ids = _block_ids(src_blocks, t0, t1, src_bs)
     dst_ids = _block_ids(dst_blocks, at, at + t1 - t0, dst_bs)
-    h = heads or HeadRange(0, src[0][0].shape[1])
     hs, hd = slice(h.start, h.stop), slice(h.dst_start, h.dst_start + h.stop - h.start)
     s_packed, d_packed = isinstance(src[0], PackedKV), isinstance(dst[0], PackedKV)
     same = s_packed and d_packed and src[0].tilings == dst[0].tilings  # type: ignore[attr-defined]
@@ -367,7 +366,6 @@ def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tup
 
 def gather_tokens(kv: KV, blocks: Sequence[int], num_tokens: int) -> KV:
     """Reference: K and V of the first ``num_tokens`` tokens, ``[heads, tokens, head_dim]``."""
-    nb = blocks_for_tokens(num_tokens, kv[0].shape[2])
-    used = torch.as_tensor(blocks[:nb], dtype=torch.long)
+    used = _block_ids(blocks, 0, num_tokens, kv[0].shape[2])
     k, v = (view.transpose(0, 1).flatten(1, 2)[:, :num_tokens] for view in _canonical(kv, used))
     return k, v

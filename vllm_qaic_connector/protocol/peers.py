@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
@@ -38,6 +39,7 @@ _AGREED = (
     "head_size", "dtype", "model", "weights", "compat_hash",
 )  # fmt: skip
 ENDPOINT_KINDS = ("shm", "nixl")
+_KNOWN = {"layout_kind": LAYOUT_KINDS, "dtype": KV_DTYPES, "endpoint.kind": ENDPOINT_KINDS}
 # Both go into segment and agent names: no "/", no NUL, bounded; vLLM's default is a uuid4.
 ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 INCARNATION = re.compile(r"[0-9a-f]{16}")  # tickets.new_incarnation()
@@ -68,7 +70,6 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
     ranks by position, so rank i must be tp_rank i."""
     if not ranks:
         return "no ranks"
-    first = ranks[0]
     for i, r in enumerate(ranks):
         for field in _POSITIVE:
             if getattr(r, field) <= 0:
@@ -79,18 +80,15 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
             return f"rank {i} tp_size is {r.tp_size} but the reply has {len(ranks)} ranks"
         if r.tp_rank != i:
             return f"rank {i} has tp_rank {r.tp_rank}: tp_rank must run 0..{len(ranks) - 1}"
-        if r.layout_kind not in LAYOUT_KINDS:
-            return f"rank {i} layout_kind {r.layout_kind!r} is unknown"
-        if r.dtype not in KV_DTYPES:
-            return f"rank {i} dtype {r.dtype!r} is unknown"
-        if r.endpoint.kind not in ENDPOINT_KINDS:
-            return f"rank {i} endpoint.kind {r.endpoint.kind!r} is unknown"
+        for field, known in _KNOWN.items():
+            if (value := attrgetter(field)(r)) not in known:
+                return f"rank {i} {field} {value!r} is unknown"
         if r.endpoint.size < 0:
             return f"rank {i} endpoint.size must be >= 0, got {r.endpoint.size}"
         if problem := _name_problem(i, r):
             return problem
         for field in _AGREED:
-            if (value := getattr(r, field)) != (want := getattr(first, field)):
+            if (value := getattr(r, field)) != (want := getattr(ranks[0], field)):
                 return f"rank {i} {field} {value!r} differs from rank 0's {want!r}"
     return None
 

@@ -43,10 +43,11 @@ def endpoint(host: str, port: int | None = None) -> str:
     return f"tcp://{f'[{host}]' if ':' in host else host}" + (f":{port}" if port else "")
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, options: dict[zmq.SocketOption, int]) -> zmq.Socket:
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.IPV6, 1)  # else libzmq refuses IPv6 addresses (and v6-only names)
+    # IPV6: else libzmq refuses IPv6 addresses (and v6-only names).
+    for option, value in {zmq.LINGER: 0, zmq.IPV6: 1, **options}.items():
+        sock.setsockopt(option, value)
     return sock
 
 
@@ -101,9 +102,8 @@ class SideChannelServer:
 
     def __init__(self, host: str, port: int, handler: Handler, key: bytes | None) -> None:
         self._ctx = zmq.Context()
-        self._sock = _socket(self._ctx, zmq.ROUTER)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+        options = {zmq.MAXMSGSIZE: MAX_MESSAGE_BYTES, zmq.SNDTIMEO: SEND_TIMEOUT_MS}
+        self._sock = _socket(self._ctx, zmq.ROUTER, options)
         try:
             if port:
                 self._sock.bind(endpoint(host, port))
@@ -157,8 +157,7 @@ class SideChannelServer:
             try:
                 reply = self._handler(envelope.message)
             except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
-                kind = type(envelope.message).__name__
-                self._complain("handler failed on %s: %r", kind, exc)
+                self._complain("handler failed on %s: %r", type(envelope.message).__name__, exc)
                 reply = ErrorReply(str(exc) or type(exc).__name__)
         frame = encode_message(reply, self._key, in_reply_to=nonce)
         try:
@@ -176,11 +175,9 @@ class SideChannelServer:
 def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float) -> Message:
     """One request/reply round trip. Raises ConnectionError on timeout, a malformed address
     or reply, or an error reply (SideChannelTimeout, a ConnectionError, on timeout)."""
-    ctx: zmq.Context = zmq.Context.instance()
-    sock = _socket(ctx, zmq.REQ)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
-    sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    ms = int(timeout_s * 1000)
+    options = {zmq.MAXMSGSIZE: MAX_REPLY_BYTES, zmq.RCVTIMEO: ms, zmq.SNDTIMEO: ms}
+    sock = _socket(zmq.Context.instance(), zmq.REQ, options)
     nonce = secrets.token_bytes(NONCE_BYTES)
     try:
         sock.connect(endpoint(host, port))

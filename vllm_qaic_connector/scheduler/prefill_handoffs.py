@@ -171,9 +171,8 @@ class PrefillHandoffs:
         if not holder or self.cfg.decode_staging_share >= 1:
             return None
         self._named_at[holder] = now
-        recent = {d: t for d, t in self._named_at.items() if now - t < self.cfg.lease_s}
-        self._named_at = recent
-        if len(recent.keys() | self.cfg.decode_peers) < 2:
+        self._named_at = {d: t for d, t in self._named_at.items() if now - t < self.cfg.lease_s}
+        if len(self._named_at.keys() | self.cfg.decode_peers) < 2:
             return None
         return max(1, int(self.pool.num_pages * self.cfg.decode_staging_share))
 
@@ -327,14 +326,11 @@ class PrefillHandoffs:
         if hold:
             self._await_saves.append(rid)
         spec = self._staged.pop(rid, None)
-        if spec is None:
-            self.pool.release(rid)  # reserved, never (wholly) staged
-            if out is not None and out.error is not None:
-                return hold, {"do_remote_prefill": False, "error": out.error}
-            return hold, None
-        if request.status not in _FINISHED:
-            self.pool.release(rid)  # aborted: nobody will come for it
-            return hold, None
+        # Reserved, never (wholly) staged; or aborted: nobody will come for it.
+        if spec is None or request.status not in _FINISHED:
+            self.pool.release(rid)
+            error = out.error if spec is None and out is not None else None
+            return hold, None if error is None else {"do_remote_prefill": False, "error": error}
         params = self._ticket(request, spec)
         if spec.direct:  # its blocks are the KV: held until the lease is released or ends
             self._direct_held[rid] = len(spec.block_ids[0])
