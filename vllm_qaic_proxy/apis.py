@@ -82,9 +82,8 @@ def answers_alone(body: dict[str, Any], api: Api) -> str | None:
     None. Prompt logprobs: vLLM computes such a prompt whole to score it, reading no cache.
     A Responses request that continues a stored one: only the server that stored it knows
     it (and so the decode that answered it is asked, not a prefill)."""
-    if api is COMPLETIONS and body.get("echo") and body.get("logprobs") is not None:
-        return "prompt logprobs"
-    if api in (COMPLETIONS, CHAT) and body.get("prompt_logprobs") is not None:
+    echoed = api is COMPLETIONS and body.get("echo") and body.get("logprobs") is not None
+    if echoed or (api in (COMPLETIONS, CHAT) and body.get("prompt_logprobs") is not None):
         return "prompt logprobs"
     if api is RESPONSES and body.get("previous_response_id"):
         return "previous_response_id"

@@ -68,9 +68,7 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
 def asks(body: dict[str, Any], field: str) -> bool:
     """Whether ``body`` turns ``field`` on (``logprobs: 0`` does; ``stop: []`` does not)."""
     value = body.get(field)
-    if value is None or value is False:
-        return False
-    return field in ZERO_ASKS or bool(value)
+    return value is not None and value is not False and (field in ZERO_ASKS or bool(value))
 
 
 @dataclass(frozen=True)
@@ -100,10 +98,9 @@ class FirstToken:
             ticket = parse_remote_prefill(params if isinstance(params, dict) else {})
         except (KeyError, TypeError, ValueError):
             return None
-        staged = ticket.num_tokens
-        if not (isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1):
-            return None
-        if staged != len(prompt_ids):  # a recurrent state: the decode scans the last one
+        one = isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1
+        # Not all of the prompt staged (a recurrent state): the decode scans the last token.
+        if not one or ticket.num_tokens != len(prompt_ids):
             return None
         limit = answer_limit(body, ticket)
         finished = choice.get("finish_reason") == "stop" or limit <= 1
@@ -182,11 +179,8 @@ def fix_usage(usage: Any) -> Any:
     """The decode counted the first token as prompt: it is the answer's."""
     if not isinstance(usage, dict) or "prompt_tokens" not in usage:
         return usage
-    return {
-        **usage,
-        "prompt_tokens": usage["prompt_tokens"] - 1,
-        "completion_tokens": usage.get("completion_tokens", 0) + 1,
-    }
+    prompt, completion = usage["prompt_tokens"] - 1, usage.get("completion_tokens", 0) + 1
+    return {**usage, "prompt_tokens": prompt, "completion_tokens": completion}
 
 
 def fix_event(line: bytes) -> bytes:

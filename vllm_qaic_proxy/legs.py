@@ -201,21 +201,28 @@ class Legs:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def stream(
+    async def answer(
         self,
         request: web.Request,
-        url: str,
+        base: str,
         body: dict[str, Any],
         headers: dict[str, str],
         first: FirstToken | None,
         leg: str = "decode",
         sink: Sink | None = None,
     ) -> tuple[web.StreamResponse, bool]:
-        """The decode's events through as they come (after ``first``'s, once the decode
+        """The leg's answer from ``base``: whole (``first`` put back in front, with the
+        ``headers``), or the events through as they come (after ``first``'s, once the decode
         has taken the request), to the client or into ``sink``; False when the client went
         away. Then the decode's connection is closed, which aborts the request there."""
-        timeout = leg_timeout(sock_read=self.decode_timeout_s)
+        url, streamed = base + request.path, body.get("stream")
+        limit = self.decode_timeout_s  # a stream's: the longest gap between events
+        timeout = leg_timeout(sock_read=limit) if streamed else leg_timeout(total=limit)
         resp = await self.open(leg, url, timeout, credentials(request), json=body)
+        if not streamed:
+            answer = await self.read_json(leg, base, resp)
+            answer = first.joined(answer) if first else answer
+            return web.json_response(answer, headers=headers), True
         if resp.status != 200 or "json" in resp.content_type:
             await self.read_json(leg, url, resp)  # raises: a stream answers 200 with events
             raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
@@ -245,14 +252,6 @@ class Legs:
             resp.close()  # before the end of the stream: the decode aborts the request
         return response_of(out), True
 
-    async def whole(
-        self, url: str, path: str, body: dict[str, Any], auth: dict[str, str], leg: str
-    ) -> dict[str, Any]:
-        """A leg's whole answer, not streamed."""
-        timeout = leg_timeout(total=self.decode_timeout_s)
-        resp = await self.open(leg, url + path, timeout, auth, json=body)
-        return await self.read_json(leg, url, resp)
-
     async def context(self, decode_url: str, auth: dict[str, str]) -> int | None:
         """The decode's max_model_len, from its /v1/models once; None where it names none
         (a decode without that route, the QAIC emulator's, is not asked again; one that did
@@ -278,7 +277,7 @@ class Legs:
         self, request: web.Request, url: str, data: bytes, headers: dict[str, str], stored: bool
     ) -> web.StreamResponse:
         """``url``'s answer to the client's request, streamed back; a 404 for a ``stored``
-        response is raised (`held`: another decode may hold it)."""
+        response is raised (`NotHere`: another decode may hold it)."""
         target = url + request.path_qs
         resp = await self.open("decode", target, leg_timeout(), headers, request.method, data=data)
         try:
@@ -286,7 +285,7 @@ class Legs:
                 missing = None
                 with contextlib.suppress(ValueError, aiohttp.ClientError):
                     missing = await resp.json(content_type=None)
-                raise LegError(404, f"decode {url}: HTTP 404", missing)
+                raise NotHere(404, f"{url} does not hold it", missing)  # another decode may
             kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
             out = web.StreamResponse(status=resp.status, headers=kept)
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):

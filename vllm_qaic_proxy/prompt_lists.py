@@ -65,8 +65,8 @@ class StreamedList:
     client's stream opens with the first prompt's events; a prompt that fails before any
     opened it leaves the list's answer to `merged`'s rule."""
 
-    def __init__(self, request: web.Request, n: int) -> None:
-        self._request, self._n = request, n
+    def __init__(self, request: web.Request, n: Any) -> None:
+        self._request, self._n = request, n if isinstance(n, int) else 1  # the request's n
         self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         self._opened = asyncio.Lock()
         self._head: dict[str, Any] = {}  # the first event's id, object, created, model

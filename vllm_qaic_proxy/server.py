@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 from aiohttp import web
@@ -79,33 +78,25 @@ class Proxy:
         several = prompt_lists.prompts(body) if api is apis.COMPLETIONS else None
         if several is None:
             return await self._handoff(request, body, api)
-        if body.get("stream"):
-            return await self._streamed_list(request, body, api, several)
+        # Streamed, each prompt's handoff streams into one stream, as vLLM streams a list.
+        streamed = prompt_lists.StreamedList(request, body.get("n")) if body.get("stream") else None
         answers = await asyncio.gather(
-            *(self._handoff(request, {**body, "prompt": p}, api) for p in several)
+            *(
+                self._handoff(
+                    request, {**body, "prompt": p}, api, streamed.part(i) if streamed else None
+                )
+                for i, p in enumerate(several)
+            )
         )
+        if streamed is not None:  # every prompt failed before the stream opened: the first
+            failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
+            if failures and not streamed.out.prepared:
+                return web.json_response(failures[0][1], status=failures[0][0])
+            return await streamed.finish(failures)
         status, answer = prompt_lists.merged([answer_of(a) for a in answers])
         timings = [t for a in answers if (t := a.headers.get("Server-Timing"))]
         timing = {"Server-Timing": max(timings, key=prefill_ms)} if timings else None
         return web.json_response(answer, status=status, headers=timing)
-
-    async def _streamed_list(
-        self, request: web.Request, body: dict[str, Any], api: Api, several: list[Any]
-    ) -> web.StreamResponse:
-        """Each prompt's handoff streamed into one stream, as vLLM streams a list; when
-        every prompt failed before the stream opened, the first failure as JSON."""
-        n = body.get("n")
-        merged = prompt_lists.StreamedList(request, n if isinstance(n, int) else 1)
-        answers = await asyncio.gather(
-            *(
-                self._handoff(request, {**body, "prompt": p}, api, merged.part(i))
-                for i, p in enumerate(several)
-            )
-        )
-        failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
-        if failures and not merged.out.prepared:
-            return web.json_response(failures[0][1], status=failures[0][0])
-        return await merged.finish(failures)
 
     async def _handoff(
         self, request: web.Request, body: dict[str, Any], api: Api, sink: Sink | None = None
@@ -157,10 +148,9 @@ class Proxy:
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing, sink)
+            to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
-            else:
-                to_decode = {**body, "kv_transfer_params": params} if params else body
             stored = alone == "previous_response_id"
             try:
                 response, done = await self._answer(
@@ -197,17 +187,11 @@ class Proxy:
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
         the request continues a stored response, which one decode holds (the others 404)."""
         pool = self.router.decodes if leg == "decode" else self.router.prefills
-        if body.get("stream"):
-
-            def streamed(u: str) -> Awaitable[tuple[web.StreamResponse, bool]]:
-                return self.legs.stream(request, u + request.path, body, timing, first, leg, sink)
-
-            return await self.legs.failover(pool, url, held(stored, streamed))
-        auth = credentials(request)
-        answer = await self.legs.failover(
-            pool, url, held(stored, lambda u: self.legs.whole(u, request.path, body, auth, leg))
+        return await self.legs.failover(
+            pool,
+            url,
+            held(stored, lambda u: self.legs.answer(request, u, body, timing, first, leg, sink)),
         )
-        return web.json_response(first.joined(answer) if first else answer, headers=timing), True
 
     async def _prefill_only(
         self,
@@ -244,9 +228,7 @@ class Proxy:
         pool = self.router.decodes
         try:
             return await self.legs.failover(
-                pool,
-                pool.pick(),
-                held(stored, lambda u: self.legs.relay(request, u, data, headers, stored)),
+                pool, pool.pick(), lambda u: self.legs.relay(request, u, data, headers, stored)
             )
         except LegError as exc:
             return exc.response()
@@ -260,8 +242,7 @@ class Proxy:
             states = await asyncio.gather(*(self.legs.health(u) for u in urls))
             report[role] = dict(zip(urls, states, strict=True))
         ok = "ok" in report["decode"].values()
-        degraded = "ok" not in report["prefill"].values()
-        body = {"ok": ok, "degraded": degraded, **report}
+        body = {"ok": ok, "degraded": "ok" not in report["prefill"].values(), **report}
         return web.json_response(body, status=200 if ok else 503)
 
     def app(self) -> web.Application:
