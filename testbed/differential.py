@@ -1,11 +1,11 @@
 """The proxy against vLLM itself over the requests clients send: a seeded generator draws
 completions, chat and Responses requests over the parameters users choose (logprobs and
 top_logprobs including 0, echo, max_tokens absent/null/1/small, min_tokens, stop strings and
-ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, n, seeded sampling,
-streams with usage, token-id prompts, prompt lists), sends each through the proxy and to the
-prefill alone (vLLM aggregated, salted away from the handoffs' cached blocks), and compares
-whole answers: text, token ids, logprobs, finish reasons, usage, a refusal's status and body;
-not ids or clocks. A second fleet, with a generation-config token cap and no prefix
+ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, seeded sampling, n > 1
+greedy, streams with usage, token-id prompts, prompt lists), sends each through the proxy and
+to the prefill alone (vLLM aggregated, salted away from the handoffs' cached blocks), and
+compares whole answers: text, token ids, logprobs, finish reasons, usage, a refusal's status
+and body; not ids or clocks. A second fleet, with a generation-config token cap and no prefix
 caching, runs the same.
 
     python -m testbed.differential --requests 500 --seed 1   # make differential
@@ -94,12 +94,15 @@ def draw(rng: random.Random, prompt: str, answer: str, ids: list[int]) -> Reques
         body["ignore_eos"] = True
     if maybe(rng, 0.15):
         body["skip_special_tokens"] = maybe(rng)
+    # Seeded sampling, or several greedy choices. Not both: vLLM 0.32 on CPU kills its
+    # engine when a seeded request's sampled token is discarded (a sibling's partial
+    # prefill: "CPU Generator does not use offset" in _bookkeeping_sync), vLLM alone too.
     if maybe(rng, 0.3):
         body["temperature"], body["seed"] = rng.choice([0.5, 1.0]), rng.randrange(1000)
-        if maybe(rng, 0.4):
-            body["n"] = rng.choice([2, 3])
     else:
         body["temperature"] = 0.0
+        if maybe(rng, 0.15):
+            body["n"] = rng.choice([2, 3])
     if maybe(rng, 0.4):
         body["stream"] = True
         if maybe(rng, 0.6):
@@ -227,6 +230,7 @@ def run_differential(
             found = compare(proxy, prefill, requests_of(rng, n, prefill.url, name), say)
             say(f"[differential] fleet {name}: {n} compared, {len(found)} different")
             differences += found
+        run.keep |= bool(differences)  # the engines' logs say why (a crash: its stack)
     return differences
 
 

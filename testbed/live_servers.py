@@ -771,7 +771,8 @@ class LiveRun:
     def __enter__(self) -> LiveRun:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.keep |= exc_type is not None  # a run that failed keeps its engines' logs
         self.close()
 
 
