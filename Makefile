@@ -24,10 +24,10 @@ integration: setup
 	$(PY) -m pytest -q tests/integration
 
 live: setup
-	$(PY) -m pytest -v -rA --durations=15 tests/live
+	$(PY) -m pytest -v -rA --durations=60 tests/live
 
 test: setup lint
-	$(PY) -m pytest -v -rA --durations=15 tests
+	$(PY) -m pytest -v -rA --durations=60 tests
 
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
