@@ -37,6 +37,12 @@ clean:
 differential: setup
 	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1}
 
+# Issue #55: bf16 vLLM prefills into float16 QAIC programs over random models (CI: the
+# shipped model's case in tests/live/test_qaic_emulator_harness.py).
+.PHONY: qaic-dtype-sweep
+qaic-dtype-sweep: setup
+	$(PY) -m testbed.qaic_dtype_sweep --models 4
+
 # Issue #9 soak: 500 requests at concurrency 16 through 1P1D + proxy, shm then NIXL.
 .PHONY: soak
 soak: setup

@@ -71,7 +71,7 @@ class EmulatorConfig:
     engine_id: str  # also names the shm segments: qaic_kv_<engine_id>_*
     slots: int = 32
     ctx: int = 1024  # tokens per slot; the prefill stages exactly one slot per request
-    dtype: str = "float32"  # the compiled program's KV dtype; the prefill must match it
+    dtype: str = "float32"  # the compiled program's KV dtype; a float prefill's is converted
     kv_cache_prefix: str | None = None
     corrupt: bool = False  # negative control: zero the slot after binding
     host: str = "127.0.0.1"
@@ -79,6 +79,7 @@ class EmulatorConfig:
     slot_wait_s: float = 60.0
     transport: str = "shm"  # how the prefill's staged KV reaches the slots: shm or nixl
     programs: int = 1  # >1: the layers split over that many programs
+    exec_objects: int = 1  # decodes at once, each on its own slot
 
 
 class TransformersDevice:
@@ -141,7 +142,7 @@ class Emulator:
         endpoint_cfg = EndpointConfig(
             cfg.engine_id, Path(cfg.model).resolve().name,
             checkpoint_fingerprint(Path(cfg.model), kv_settings(None, mc)), cfg.kv_cache_prefix,
-            cfg.host, cfg.side_channel_port, cfg.transport, cfg.slot_wait_s,
+            cfg.host, cfg.side_channel_port, cfg.transport, cfg.slot_wait_s, cfg.exec_objects,
         )  # fmt: skip
         self.endpoint = DecodeEndpoint(endpoint_cfg, self.manifest, self.device, key)
         names = [r.spec.name for kv in self.manifest.kv_buffers(cfg.kv_cache_prefix) for r in kv]
@@ -237,12 +238,13 @@ def main() -> None:
     add("--side-channel-port", type=int, default=0)
     add("--slots", type=int, default=32, help="decode batch slots")
     add("--ctx", type=int, default=1024, help="tokens per slot")
-    add("--dtype", default="float32", help="KV dtype of the program (the prefill must match)")
+    add("--dtype", default="float32", help="KV dtype of the program (a float prefill's converts)")
     add("--kv-cache-prefix", default=None, help="QEfficient kv_cache_prefix of the KV buffers")
     add("--slot-wait-s", type=float, default=60.0, help="longest wait for a free slot")
     add("--corrupt", action="store_true", help="negative control: zero the slot KV")
     add("--transport", choices=["shm", "nixl"], default="shm", help="how staged KV arrives")
     add("--programs", type=int, default=1, help="split the layers over this many programs")
+    add("--exec-objects", type=int, default=1, help="decodes at once, each on its own slot")
     add("--side-channel-key-file", default=None, help=f"shared key (else ${KEY_ENV})")
     args = vars(parser.parse_args())
     port = args.pop("port")

@@ -167,6 +167,19 @@ def same_answer(d: dict, a: dict) -> bool:
     return ids is not None and ids == a.get("token_ids") and d.get("text") == a.get("text")
 
 
+def token_agreement(disagg: list[dict], agg: list[dict]) -> tuple[float, int]:
+    """The share of the reference's tokens the disaggregated answers match, each answer
+    counted up to where it first parts from its reference (everything after counts as
+    different), and the reference's token count."""
+    same = total = 0
+    for d, a in zip(disagg, agg, strict=False):
+        ref, got = a.get("token_ids") or [], d.get("token_ids") or []
+        total += len(ref)
+        pairs = enumerate(zip(ref, got, strict=False))
+        same += next((i for i, (x, y) in pairs if x != y), min(len(ref), len(got)))
+    return 100.0 * same / max(total, 1), total
+
+
 def lone_failures(lone: list[dict], agg: list[dict], first_max_s: float = 10.0) -> list[str]:
     """Requests sent one at a time after idle gaps (the first right after start-up): each
     equal to the aggregated answer, from loaded KV, and in time: the first within
@@ -210,6 +223,10 @@ def verdict(args: argparse.Namespace) -> int:
         failures.append(f"disaggregated accuracy {acc_d:.3f} < {args.min_accuracy}")
     if agreement < args.min_agreement:
         failures.append(f"agreement {agreement:.1f}% < {args.min_agreement}%")
+    tokens_same, tokens = token_agreement(disagg, agg)
+    print(f"token agreement: {tokens_same:.2f}% of the aggregated answers' {tokens} tokens")
+    if tokens_same < args.min_token_agreement:
+        failures.append(f"token agreement {tokens_same:.2f}% < {args.min_token_agreement}%")
     loaded_req = metric(metrics, "vllm:qaic_kv_loaded_requests_total")
     loaded_tok = metric(metrics, "vllm:qaic_kv_loaded_tokens_total")
     failed = metric(metrics, "vllm:qaic_kv_load_failures_total")
@@ -282,7 +299,8 @@ def main() -> int:
     v.add_argument("--lone", default=None, help="run --gaps results (prompts after --disagg's)")
     v.add_argument("--lone-first-max-s", type=float, default=10.0, help="the first's limit")
     v.add_argument("--min-accuracy", type=float, default=0.95)
-    v.add_argument("--min-agreement", type=float, default=100.0)
+    v.add_argument("--min-agreement", type=float, default=100.0, help="answers equal, %%")
+    v.add_argument("--min-token-agreement", type=float, default=0.0, help="tokens equal, %%")
     args = parser.parse_args()
     if args.cmd == "run":
         asyncio.run(run(args))

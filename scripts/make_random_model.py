@@ -236,10 +236,11 @@ ARCHS = {
 
 
 def main(
-    out: Path, arch: str = "llama", sharpen: float = SHARPEN, tokenizer: str = "byte_level"
-) -> None:
-    torch.manual_seed(0)
-    tok = train_tokenizer(out, tokenizer)
+    out: Path, arch: str = "llama", sharpen: float = SHARPEN, tokenizer: str = "byte_level",
+    seed: int = 0,
+) -> None:  # fmt: skip
+    torch.manual_seed(seed)
+    tok = train_tokenizer(out, tokenizer, seed=seed)
     model = ARCHS[arch](tok.get_vocab_size())
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(sharpen)
@@ -252,5 +253,6 @@ if __name__ == "__main__":
     parser.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     parser.add_argument("--sharpen", type=float, default=SHARPEN, help="output-layer scale")
     parser.add_argument("--tokenizer", choices=sorted(TOKENIZERS), default="byte_level")
+    parser.add_argument("--seed", type=int, default=0, help="weights' and tokenizer's corpus")
     args = parser.parse_args()
-    main(args.out, args.arch, args.sharpen, args.tokenizer)
+    main(args.out, args.arch, args.sharpen, args.tokenizer, args.seed)

@@ -177,7 +177,10 @@ PREFILL_ARGS=()
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the
 # aggregated reference) serve in it; vLLM on CPU would downcast the float32 model to bf16.
-DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
+# With DTYPE set apart from QAIC_DTYPE, the prefill serves in DTYPE (bf16 is vLLM's default)
+# and the QAIC decode converts its KV into the program's dtype as it writes the slot.
+DTYPE_ARGS=(); [ "$DECODE_TARGET" = qaic ] && [ -z "$DTYPE" ] && DTYPE_ARGS=(--dtype "${QAIC_DTYPE:-float32}")
+CONVERTS=0; [ "$DECODE_TARGET" = qaic ] && [ -n "$DTYPE" ] && [ "$DTYPE" != "${QAIC_DTYPE:-float32}" ] && CONVERTS=1
 D_CORES=1; [ "$DECODER_TP_SIZE$DECODER_DP_SIZE" != 11 ] && D_CORES="0|1"
 D_ARGS=(); [ "$DECODER_DP_SIZE" = 2 ] && D_ARGS=(--data-parallel-size 2)
 [ -n "$DECODE_KV_BLOCKS" ] && D_ARGS+=(--num-gpu-blocks-override "$DECODE_KV_BLOCKS")
@@ -230,10 +233,12 @@ wait_ready() {  # name port: the launcher's readiness wait; fails when any serve
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
 wait_ready "$ROUTER" "$X_PORT"
-# Which KV packing each engine's connector found (vLLM CPU's differs by host, dtype, head size).
+# Which KV packing each engine's connector found (vLLM CPU's differs by host, dtype, head size),
 for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
-  grep -o -E "vLLM CPU attention ISA [a-z0-9_]+ packs KV as [A-Za-z0-9_]+" "$log" 2>/dev/null | sort -u \
-    | sed "s/^/[harness] $(basename "$log" .log): /" || true
+  # and the KV dtype each computes in (a QAIC program's: its buffers')
+  { grep -o -m1 -E "dtype=torch\.[a-z0-9]+|[a-z0-9]+ KV buffers" "$log"
+    grep -o -E "vLLM CPU attention ISA [a-z0-9_]+ packs KV as [A-Za-z0-9_]+" "$log" | sort -u
+  } 2>/dev/null | sed "s/^/[harness] $(basename "$log" .log): /" || true
 done
 
 run_prompts() {  # label url out num_prompts [extra args]
@@ -266,10 +271,13 @@ PEER_ARGS=(); [ "$NUM_PREFILL_INSTANCES" -gt 1 ] && PEER_ARGS=(--expect-peers "$
 MIN_ACC=0.95; [ "$TASK" = text ] && MIN_ACC=0
 # QAIC: agreement >= 99% (transformers decodes, not vLLM's kernels); more gates below.
 MIN_AGREEMENT=100; [ "$DECODE_TARGET" = qaic ] && MIN_AGREEMENT=99
+# Converted KV (bf16 prefill, float16 program) decodes in other precision than the
+# aggregated bf16 reference: 99% of its tokens must agree (issue 55), not every answer.
+MIN_TOKENS=0; [ "$CONVERTS" = 1 ] && MIN_AGREEMENT=0 && MIN_TOKENS=99
 set +e
 "$PY" -m scripts.accuracy_check verdict --disagg "$RUN_DIR/disagg.json" --agg "$RUN_DIR/agg.json" \
   --decode-metrics "${METRICS[@]}" "${PEER_ARGS[@]}" "${LONE_ARGS[@]}" --transport "$KV_TRANSPORT" --min-accuracy "$MIN_ACC" \
-  --min-agreement "$MIN_AGREEMENT" > "$RUN_DIR/verdict.txt"
+  --min-agreement "$MIN_AGREEMENT" --min-token-agreement "$MIN_TOKENS" > "$RUN_DIR/verdict.txt"
 status=$?
 set -e
 # Every request has finished: no instance may still hold KV blocks (the prefill's are held
@@ -320,7 +328,7 @@ if [ "$DECODE_TARGET" = qaic ]; then
          "slot DMA [k,:,0:n,:]=$((dma / reqs)) (= the prompt's KV); host copies per handoff:" \
          "$(awk -v a="$staged" -v b="$host" -v c="$dma" 'BEGIN { printf "%.2f", c ? (a + b) / c : 0 }')"
     [ "$in_use" = 0 ] || echo "FAIL: $in_use decode slots still in use after every request finished"
-    [ "$acc_d" = "$acc_a" ] || echo "FAIL: QAIC accuracy $acc_d differs from aggregated $acc_a"
+    [ "$acc_d" = "$acc_a" ] || [ "$CONVERTS" = 1 ] || echo "FAIL: QAIC accuracy $acc_d differs from aggregated $acc_a"
     tail -n 1 "$RUN_DIR/verdict.txt"
   } > "$RUN_DIR/verdict.qaic" && mv "$RUN_DIR/verdict.qaic" "$RUN_DIR/verdict.txt"
   grep -q '^FAIL:' "$RUN_DIR/verdict.txt" && status=1

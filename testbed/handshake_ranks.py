@@ -30,7 +30,6 @@ def rank_meta(**over: Any) -> RankMetadata:
     fields.setdefault(
         "compat_hash",
         compat_hash(
-            fields["dtype"],
             fields["num_layers"],
             fields["num_kv_heads"],
             fields["head_size"],

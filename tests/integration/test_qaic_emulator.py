@@ -77,7 +77,7 @@ class FakePrefill:
         assert isinstance(msg, HandshakeRequest)
         rank = RankMetadata(
             self.engine, 0, 1, "vllm_cpu_vec", 16, 64, H, D, TINY.dtype, L, TINY.name,
-            compat_hash(TINY.dtype, L, H, D), self.transport.endpoint(),
+            compat_hash(L, H, D), self.transport.endpoint(),
             self.incarnation,
         )  # fmt: skip
         return HandshakeReply(PROTOCOL_VERSION, [rank])
@@ -94,9 +94,11 @@ class FakePrefill:
         return self._released
 
     def stage(
-        self, rid: str, ids: list[int], layout: str, block: int, lease_s: float = 60.0
-    ) -> dict[str, Any]:
-        """Stage the prompt's KV (computed by transformers) as the connector's prefill would."""
+        self, rid: str, ids: list[int], layout: str, block: int, lease_s: float = 60.0,
+        at: int = 0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Stage the prompt's KV (computed by transformers) as the connector's prefill would,
+        ``at`` bytes into the staging."""
         model = _model()
         with torch.no_grad():
             cache = model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
@@ -104,8 +106,8 @@ class FakePrefill:
         fmt = StagingFormat(layout, KVGeometry(H, D, block, torch.float32), L)
         self.generation += 1
         dst_blocks = list(range(blocks_for_tokens(n, block)))
-        end = HEADER_BYTES + fmt.request_bytes(n)
-        with self.headers.writing(0, end, self.generation) as region:
+        end = at + HEADER_BYTES + fmt.request_bytes(n)
+        with self.headers.writing(at, end, self.generation) as region:
             region.zero_()
             for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
                 copy_layers([(layer.keys, layer.values)], [0], [dst], dst_blocks, 0, n)
@@ -116,7 +118,7 @@ class FakePrefill:
             remote_port=self.server.port,
             remote_request_id=rid,
             num_tokens=n,
-            staging_offset=0,
+            staging_offset=at,
             staged_layout=layout,
             staged_block_size=block,
             incarnation=self.incarnation,
@@ -349,6 +351,41 @@ def test_a_request_waiting_for_a_slot_keeps_its_lease(tag):
         assert copy_task.is_correct(body["choices"][0]["text"], answer)
         assert prefill.renewed.count("r0") >= 2 and prefill.released(1) == ["r0"]
         assert emu.endpoint.counters["slot_waits"] == 1
+    finally:
+        emu.close()
+        prefill.close()
+
+
+@pytest.mark.parametrize("exec_objects", [1, 2])
+def test_an_exec_object_pool_decodes_slots_at_once(tag, exec_objects):
+    """Two requests in two slots: with two exec objects their decodes overlap in time, each
+    from its own slot's bytes (both answers right); with one they take turns."""
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=2, ctx=CTX, exec_objects=exec_objects))
+    spans: list[tuple[float, float]] = []
+    decode = emu.device.decode
+
+    def timed(*args: Any) -> Any:
+        start = time.monotonic()
+        time.sleep(0.3)  # a decode step long enough that two at once must overlap
+        out = decode(*args)
+        spans.append((start, time.monotonic()))
+        return out
+
+    emu.device.decode = timed  # type: ignore[method-assign]
+    try:
+        pairs = copy_task.heldout_prompts(2)
+        params = [prefill.stage(f"r{i}", emu.tokenizer.encode(p), "qaic_slot", CTX, at=i << 21)
+                  for i, (p, _) in enumerate(pairs)]  # fmt: skip
+
+        async def scenario(client: TestClient) -> list[tuple[int, dict]]:
+            posts = (_post(client, p, kv) for (p, _), kv in zip(pairs, params, strict=True))
+            return list(await asyncio.gather(*posts))
+
+        for (status, body), (_, answer) in zip(_run(emu, scenario), pairs, strict=True):
+            assert status == 200 and copy_task.is_correct(body["choices"][0]["text"], answer)
+        (a0, a1), (b0, b1) = sorted(spans)
+        assert (b0 < a1) == (exec_objects == 2), spans
     finally:
         emu.close()
         prefill.close()

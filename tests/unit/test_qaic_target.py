@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 from collections.abc import Iterable, Iterator
@@ -14,7 +15,8 @@ from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, get_layout
-from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
+from vllm_qaic_connector.protocol.wire import CONVERTIBLE_DTYPES, LAYOUT_KINDS
+from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.transports.shm import SHM_DIR
 
 H, CTX, D = 2, 16, 8
@@ -184,8 +186,9 @@ def test_slot_and_token_errors(shm_prefix):
             _write_slot(target, slot, kv, 5)  # source holds only 4 tokens
         with pytest.raises(ValueError, match="2 layers"):
             _write_slot(target, slot, kv * 2, 4)
-        with pytest.raises(ValueError, match="float32"):
-            _write_slot(target, slot, [(kv[0][0].float(), kv[0][1].float())], 4)
+        fp8 = [tuple(t.to(torch.float8_e4m3fn) for t in kv[0])]  # scaled values: no
+        with pytest.raises(ValueError, match="float8_e4m3fn"):
+            _write_slot(target, slot, fp8, 4)
         assert _write_slot(target, slot, kv, 0) == 0
 
 
@@ -258,6 +261,30 @@ def test_write_from_staged_blocks_in_another_layout(shm_prefix):
         with pytest.raises(ValueError, match="blocks"):
             target.write_slot_from_blocks(slot, views, blocks[:2], n)
     assert get_layout("qaic_slot").physical_shape(3, KVGeometry(H, D, CTX, DT)) == (2, 3, H, CTX, D)
+
+
+@pytest.mark.parametrize("layout", [k for k in LAYOUT_KINDS if k != "qaic_slot"])
+@pytest.mark.parametrize(("staged", "program"), itertools.product(CONVERTIBLE_DTYPES, repeat=2))
+def test_a_slot_write_converts_the_dtype_as_it_copies(layout, staged, program, shm_prefix):
+    """Every staged layout and every pair of convertible dtypes (a bf16 vLLM prefill, a
+    float16 program): the slot holds exactly torch's rounding of the staged values, and
+    nothing outside the slot's tokens changes."""
+    src_dt, n = torch_dtype(staged), 37
+    geo = KVGeometry(num_heads=H, head_size=32, block_size=16, dtype=src_dt)  # amx tiles
+    fmt = StagingFormat(layout, geo, num_layers=2)
+    region = torch.zeros(fmt.request_bytes(n), dtype=torch.uint8)
+    region.view(src_dt).copy_(torch.randn(region.numel() // src_dt.itemsize) * 30)
+    views, blocks = fmt.layer_views(region, n), [2, 0, 1]
+    specs = [BufferSpec(b.name, (3, H, 48, 32), program) for b in kv_specs(range(2), None, "", 3)]
+    m = Manifest([specs])
+    with SlotTarget(m, shm_prefix, None) as target:
+        _randomize(target, m)
+        before = _snapshot(target, m)
+        target.allocate_slot()
+        slot = target.allocate_slot()
+        target.write_slot_from_blocks(slot, views, blocks, n)
+        want = [tuple(t.to(target.dtype) for t in gather_tokens(v, blocks, n)) for v in views]
+        _assert_only_slots_changed(target, before, {slot: want})
 
 
 @pytest.mark.parametrize(

@@ -91,8 +91,8 @@ def test_state_crosses_a_real_shm_segment_into_another_engines_block():
 def test_the_compat_hash_tells_state_shapes_apart():
     a = RecurrentState((vllm_like_state(2, 1),), (0,)).signature()
     b = (a[0].replace("8x64x64", "4x64x64"),)  # half the heads
-    assert compat_hash("float32", 2, 2, 32, (), a) != compat_hash("float32", 2, 2, 32, (), b)
-    assert compat_hash("float32", 2, 2, 32, (), a) != compat_hash("float32", 2, 2, 32)
+    assert compat_hash(2, 2, 32, (), a) != compat_hash(2, 2, 32, (), b)
+    assert compat_hash(2, 2, 32, (), a) != compat_hash(2, 2, 32)
     # A state whose split is unknown names the TP size: another TP size is refused.
     tp2 = RecurrentState((vllm_like_state(2, 1),), (0,), tp_size=2).signature()
     assert tp2 != a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -17,6 +18,8 @@ from testbed.handshake_ranks import rank_meta
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer, call
 from vllm_qaic_connector.protocol.wire import (
+    CONVERTIBLE_DTYPES,
+    KV_DTYPES,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -60,6 +63,20 @@ def test_garbage_is_a_clear_error():
 def test_incompatible_peer_names_the_field(field, value):
     problem = incompatibility(rank_meta(), rank_meta(**{field: value}))
     assert problem is not None and f"differs in {field}" in problem
+
+
+@pytest.mark.parametrize("decode_layout", ["qaic_slot", "vllm_cpu_vec", "LBHNC"])
+def test_kv_dtypes_differ_only_into_a_qaic_slot_and_only_between_plain_floats(decode_layout):
+    """Every pair of the dtypes a handshake may state: a QAIC decode takes another plain
+    float (it converts in its slot copy); anything else is refused, naming both dtypes."""
+    for ours, theirs in itertools.product(sorted(KV_DTYPES), repeat=2):
+        mine, peer = rank_meta(dtype=ours), rank_meta(dtype=theirs, layout_kind=decode_layout)
+        problem = incompatibility(mine, peer)
+        converts = decode_layout == "qaic_slot" and {ours, theirs} <= CONVERTIBLE_DTYPES
+        if ours == theirs or converts:
+            assert problem is None, (ours, theirs, problem)
+        else:
+            assert problem and f"ours={ours!r} theirs={theirs!r}; only a QAIC" in problem
 
 
 def test_layers_that_differ_name_the_speculative_drafter_as_a_cause():

@@ -65,9 +65,8 @@ def copy_layers(
         return _copy_packed(src, src_blocks, dst, dst_blocks, t0, t1, h, dst_t0)
     k, k_out = src[0][0], dst[0][0]
     src_bs, dst_bs = k.shape[2], k_out.shape[2]
-    if k.shape[3] != k_out.shape[3] or k.dtype != k_out.dtype:  # bytes are copied
-        raise ValueError(f"head size or dtype differs: {k[0, 0].shape} {k.dtype} vs "
-                         f"{k_out[0, 0].shape} {k_out.dtype}")  # fmt: skip
+    if k.shape[3] != k_out.shape[3]:
+        raise ValueError(f"head size differs: {k[0, 0].shape} vs {k_out[0, 0].shape}")
     nh = h.stop - h.start
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
@@ -79,7 +78,9 @@ def copy_layers(
         d_ = [d[plane][:, h.dst_start : h.dst_start + nh] for d in dst]
         # Planned once per call: one shape and strides on each side, so one plan per run
         # length and every layer's blocks as addresses from the layers' bases.
-        bases = (_bases(s_), _bases(d_)) if NATIVE and _one_cpu_shape(s_, d_) else None
+        # Bytes are copied there: another dtype is converted by torch, in the same one pass.
+        bytewise = NATIVE and k.dtype == k_out.dtype and _one_cpu_shape(s_, d_)
+        bases = (_bases(s_), _bases(d_)) if bytewise else None
         for b in batches:
             plan = _native_plan(s_[0], d_[0], b.n) if bases else None
             if plan and bases:
@@ -178,7 +179,9 @@ def _block_plan(dims: tuple[tuple[int, int, int], ...], item: int) -> BlockRows 
 
 def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
                     ints: torch.dtype) -> None:  # fmt: skip
-    if s_.device.type != "cpu" or d_.device.type != "cpu":  # a GPU's: its gathers, as ints
+    if s_.dtype != d_.dtype:  # converted as it is written (a float16 QAIC program's slot)
+        d_[dst_ids] = s_[src_ids].to(d_.device)
+    elif s_.device.type != "cpu" or d_.device.type != "cpu":  # a GPU's: its gathers, as ints
         d_.view(ints)[dst_ids] = s_.view(ints)[src_ids].to(d_.device)
     elif isinstance(dst_ids, slice) and isinstance(src_ids, torch.Tensor):  # to staging
         torch.index_select(s_, 0, src_ids, out=d_[dst_ids])  # slice by slice, in place

@@ -114,15 +114,20 @@ class RankMetadata(msgspec.Struct, frozen=True):
     drafter: str = ""  # the speculative drafter's method and weights fingerprint ("": none)
 
 
-COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_size")
+COMPAT_FIELDS = ("num_layers", "num_kv_heads", "head_size")
+# What a QAIC decode converts into its programs' KV dtype inside its slot copy: plain floats,
+# rounded as the program's own float16 prefill rounds them. fp8 and int8 KV hold scaled or
+# compressed values: converting them needs their scales.
+CONVERTIBLE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
 # A speculative drafter (EAGLE, MTP) keeps KV layers of its own: an engine running one differs
 # in layers from a peer that does not, though both serve one model (vLLM's NixlConnector
 # refuses such peers too).
 DRAFTER_HINT = "; a speculative drafter's KV layers count: run one --speculative-config on both"
+HINTS = {"num_layers": DRAFTER_HINT, "dtype": "; only a QAIC decode converts KV dtypes, between "
+         f"{', '.join(sorted(CONVERTIBLE_DTYPES))}"}  # fmt: skip
 
 
 def compat_hash(
-    dtype: str,
     num_layers: int,
     num_kv_heads: int,
     head_size: int,
@@ -131,7 +136,7 @@ def compat_hash(
 ) -> str:
     """``windows``: each layer's sliding window, for hybrid models (empty: all full);
     ``states``: each Mamba layer's state shapes and TP split (``RecurrentState.signature``)."""
-    text = f"{dtype}|{num_layers}|{num_kv_heads}|{head_size}"
+    text = f"{num_layers}|{num_kv_heads}|{head_size}"
     if any(windows):
         text += f"|{','.join(map(str, windows))}"
     if states:
@@ -152,10 +157,12 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
             f"({theirs.weights or 'no fingerprint'}); the same checkpoint, quantization "
             "and RoPE settings are needed on both sides"
         )
-    for field in COMPAT_FIELDS:
+    qaic = "qaic_slot" in (mine.layout_kind, theirs.layout_kind)
+    converts = qaic and {mine.dtype, theirs.dtype} <= CONVERTIBLE_DTYPES
+    for field in COMPAT_FIELDS + (() if converts else ("dtype",)):
         a, b = getattr(mine, field), getattr(theirs, field)
         if a != b:
-            hint = DRAFTER_HINT if field == "num_layers" else ""
+            hint = HINTS.get(field, "")
             return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}{hint}"
     if mine.layers and theirs.layers and mine.layers != theirs.layers:
         i = next(

@@ -49,7 +49,8 @@ class DecodeDevice(Protocol):
     def decode(
         self, target: SlotTarget, slot: int, prompt_ids: list[int], max_tokens: int
     ) -> tuple[list[int], str]:
-        """Greedy decode steps from the slot's KV: the tokens and the finish reason."""
+        """Greedy decode steps from the slot's KV: the tokens and the finish reason. Up to
+        ``EndpointConfig.exec_objects`` threads call it at once, each for its own slot."""
 
     def free_slot(self, target: SlotTarget, slot: int) -> None:
         """The slot's request is done; its KV may be overwritten."""
@@ -65,6 +66,7 @@ class EndpointConfig:
     side_channel_port: int = 0
     transport: str = "shm"  # how the prefill's staged KV reaches the slots: shm or nixl
     slot_wait_s: float = 60.0  # the longest a request waits for a free slot
+    exec_objects: int = 1  # decodes run at once (each its own slot), as a QAIC exec-object pool
 
 
 class Refused(Exception):
@@ -98,7 +100,7 @@ class DecodeEndpoint:
             block_size=t.ctx_len,  # one slot = one block: the prefill stages exactly a slot
             num_blocks=t.num_slots, num_kv_heads=t.num_heads, head_size=t.head_dim, dtype=dtype,
             num_layers=t.num_layers, model=cfg.model, weights=cfg.weights,
-            compat_hash=wire.compat_hash(dtype, t.num_layers, t.num_heads, t.head_dim),
+            compat_hash=wire.compat_hash(t.num_layers, t.num_heads, t.head_dim),
             endpoint=self.reader.endpoint(),  # over NIXL: the agent holding the slot buffers
             incarnation=incarnation,
         )  # fmt: skip
@@ -109,10 +111,10 @@ class DecodeEndpoint:
         self.slots_in_use = self.slots_in_use_max = 0
         self._slot_sem = asyncio.Semaphore(t.num_slots)
         self._ids = itertools.count()
-        # Binds (read, slot write, release) and decodes each run on their own thread, one
-        # at a time: the event loop never blocks, and a shm transport has one user.
+        # Binds (read, slot write, release) run on their own thread, one at a time (a shm
+        # transport has one user), decodes on the exec objects': the event loop never blocks.
         self._io = ThreadPoolExecutor(1, thread_name_prefix="qaic-bind")
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="qaic-decode")
+        self._compute = ThreadPoolExecutor(cfg.exec_objects, thread_name_prefix="qaic-decode")
 
     def _handle(self, msg: wire.Message) -> wire.Message:
         if isinstance(msg, wire.HandshakeRequest):
@@ -230,8 +232,9 @@ class DecodeEndpoint:
                     slot, fmt.layer_views(region, n), blocks, n
                 )
             # Staged as our slot: the device DMAs [slot, :, 0:n, :] straight from the
-            # staging bytes (setDataWithSlices), no host copy. Otherwise the host converts.
-            if remote.staged_layout != "qaic_slot" or geo.block_size != self.target.ctx_len:
+            # staging bytes (setDataWithSlices), no host copy. Otherwise the host converts
+            # (layout, block size or dtype) in its one copy into the slot.
+            if remote.staged_layout != "qaic_slot" or geo != self.target.geometry:
                 self.counters["bytes_copied"] += written
             self.counters["dma_bytes"] += written
         self.device.bind_slot(self.target, slot, n)

@@ -33,9 +33,7 @@ class SlotPuller:
 
     def accepts(self, geo: KVGeometry) -> bool:
         """Whether KV staged with ``geo`` is exactly one of our slots (else: convert on host)."""
-        t = self.target
-        want = (t.num_heads, t.head_dim, t.ctx_len, t.dtype)
-        return (geo.num_heads, geo.head_size, geo.block_size, geo.dtype) == want
+        return geo == self.target.geometry
 
     def pull(
         self, slot: int, peer: TransportEndpoint, staging_offset: int, geo: KVGeometry,

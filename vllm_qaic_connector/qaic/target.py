@@ -21,6 +21,8 @@ import torch
 from msgspec.structs import force_setattr
 
 from vllm_qaic_connector.kv.copy_pool import CopyPool
+from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.protocol.wire import CONVERTIBLE_DTYPES
 from vllm_qaic_connector.qaic.buffers import kv_buffer_regex, parse_kv_name
 from vllm_qaic_connector.transports.shm import SharedSegment
 
@@ -145,6 +147,11 @@ class SlotTarget:
         self._lock = threading.Lock()
 
     @property
+    def geometry(self) -> KVGeometry:
+        """A slot as one KV block: the format a prefill stages a request in for it."""
+        return KVGeometry(self.num_heads, self.head_dim, self.ctx_len, self.dtype)
+
+    @property
     def segment_names(self) -> list[str]:
         return [seg.name for seg in self._segments]
 
@@ -183,12 +190,14 @@ class SlotTarget:
         """Write tokens ``[0, num_tokens)`` of every layer into ``slot`` from canonical views
         ``[blocks, heads, block_tokens, head_dim]`` (e.g. ``StagingFormat.layer_views``) and
         the request's block ids: the slot is one block of ``ctx`` tokens, so this is
-        `CopyPool.layers` into block ``slot``. Returns the bytes written."""
+        `CopyPool.layers` into block ``slot``, converting another float dtype (a bf16
+        prefill's KV, a float16 program) as it writes. Returns the bytes written."""
         self.check_writable(slot, num_tokens)
         if len(layer_views) != self.num_layers:
             raise ValueError(f"got KV for {len(layer_views)} layers, target has {self.num_layers}")
         for layer, (k, _) in enumerate(layer_views):
-            if k.dtype != self.dtype or k.shape[1] != self.num_heads:
+            converts = {k.dtype, self.dtype} <= {torch_dtype(d) for d in CONVERTIBLE_DTYPES}
+            if not (k.dtype == self.dtype or converts) or k.shape[1] != self.num_heads:
                 raise ValueError(
                     f"layer {layer} source is {k.dtype} with {k.shape[1]} heads, "
                     f"target is {self.dtype} with {self.num_heads}"

@@ -211,7 +211,7 @@ def rank_metadata(
         num_layers=len(tensors),
         model=identity.model,
         weights=identity.weights,
-        compat_hash=compat_hash(dtype, len(tensors), total_heads, geo.head_size, windows, states),
+        compat_hash=compat_hash(len(tensors), total_heads, geo.head_size, windows, states),
         endpoint=endpoint,
         incarnation=incarnation,
         cache=shared,

@@ -1,0 +1,76 @@
+"""bf16 vLLM prefills feeding float16 QAIC programs (the emulator: transformers decoding in
+float16 from the slot bytes) over random models it has never seen: per model and over all,
+the share of tokens that agree with aggregated vLLM serving the same model in bf16.
+
+    .venv/bin/python -m testbed.qaic_dtype_sweep [--models 4] [--prompts 32]
+
+Models cycle through Llama- and Qwen3-style architectures and both tokenizer families, each
+with its own seed (weights and tokenizer corpus); transports alternate shm and NIXL. Each
+run is scripts/run_accuracy_test.sh with DECODE_TARGET=qaic DTYPE=bfloat16
+QAIC_DTYPE=float16: the endpoint converts in its copy into the slot. Exit status 1 if the
+tokens over all agree less than --min (99%, issue 55) or a run fails otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from testbed.shipped_model import PY, ROOT
+
+STYLES = list(itertools.product(("llama", "qwen3"), ("byte_level", "sentencepiece")))
+TOKENS = re.compile(r"token agreement: ([\d.]+)% of the aggregated answers' (\d+) tokens")
+
+
+def one_run(model: Path, transport: str, prompts: int) -> tuple[float, int, str]:
+    """(agreeing tokens %, reference tokens, the harness's last lines) of one model."""
+    env = {**os.environ, "DECODE_TARGET": "qaic", "DTYPE": "bfloat16", "QAIC_DTYPE": "float16",
+           "MODEL": str(model), "KV_TRANSPORT": transport, "NUM_PROMPTS": str(prompts),
+           "CONCURRENCY": "8", "LONE_GAPS": "0"}  # fmt: skip
+    harness = ["bash", str(ROOT / "scripts" / "run_accuracy_test.sh")]
+    proc = subprocess.run(harness, env=env, capture_output=True, text=True, timeout=1800,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    m = TOKENS.search(out)
+    if m is None or "FAIL:" in out.replace("FAIL: token agreement", ""):
+        raise RuntimeError(f"harness run failed (status {proc.returncode}):\n{out[-3000:]}")
+    return float(m.group(1)), int(m.group(2)), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser("python -m testbed.qaic_dtype_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--models", type=int, default=4, help="random models, one run each")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per model")
+    p.add_argument("--first-seed", type=int, default=101, help="the first model's seed")
+    p.add_argument("--min", type=float, default=99.0, help="tokens agreeing over all, %%")
+    args = p.parse_args(argv)
+    same = total = 0.0
+    with tempfile.TemporaryDirectory(prefix="qaic-dtype-sweep-") as tmp:
+        for i in range(args.models):
+            (arch, tokenizer), seed = STYLES[i % len(STYLES)], args.first_seed + i
+            transport = ("shm", "nixl")[i // len(STYLES) % 2]
+            model = Path(tmp) / f"random-{arch}-{seed}"
+            subprocess.run([str(PY), str(ROOT / "scripts" / "make_random_model.py"), str(model),
+                            "--arch", arch, "--tokenizer", tokenizer, "--seed", str(seed)],
+                           check=True, capture_output=True)  # fmt: skip
+            pct, tokens, _ = one_run(model, transport, args.prompts)
+            same, total = same + pct * tokens / 100, total + tokens
+            print(f"[sweep] {i + 1}/{args.models} {arch} {tokenizer} seed {seed} over "
+                  f"{transport}: {pct:.2f}% of {tokens} tokens agree", flush=True)  # fmt: skip
+    overall = 100.0 * same / max(total, 1)
+    print(
+        f"qaic dtype sweep: bf16 prefill -> float16 program, {args.models} random models, "
+        f"{overall:.2f}% of {total:.0f} tokens agree with aggregated bf16 vLLM (min {args.min}%)"
+    )
+    return 0 if overall >= args.min else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
