@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -152,29 +153,34 @@ class Emulator:
               self.endpoint.server.port),
         )  # fmt: skip
 
-    def _detokenize(self, prompt_ids: list[int], out: list[int]) -> str:
-        # vLLM's own detokenizer, as a vLLM decode writes the text: primed with the
-        # prompt's end, special tokens skipped, the stop token left out. (A DecodeStream of
-        # our own failed on a SentencePiece tokenizer's byte pieces, where vLLM's restarts.)
+    def _detokenize(self, prompt_ids: list[int], out: list[int]) -> list[str]:
+        """The text each token adds. vLLM's own detokenizer, as a vLLM decode writes the
+        text: primed with the prompt's end, special tokens skipped, the stop token left out.
+        (A DecodeStream of our own failed on a SentencePiece tokenizer's byte pieces, where
+        vLLM's restarts.)"""
         params = SamplingParams(max_tokens=max(1, len(out)))
         request = EngineCoreRequest("qaic", prompt_ids, None, params, None, 0.0, None, None, None)
         detokenizer = IncrementalDetokenizer.from_new_request(self.tokenizer, request)
-        for t in out:
+        deltas = []
+        for i, t in enumerate(out):
             detokenizer.update([t], stop_terminated=t in self.device.eos_ids)
-        return detokenizer.get_next_output_text(finished=True, delta=False)
+            deltas.append(detokenizer.get_next_output_text(finished=i == len(out) - 1, delta=True))
+        return deltas
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
-        """One prompt, as text or token ids; greedy, not streamed."""
+        """One prompt, as text or token ids; greedy."""
         prompt = body.get("prompt")
-        if body.get("stream") or body.get("temperature"):
-            raise Refused(400, "want one prompt, temperature 0, no streaming")
+        if body.get("temperature"):
+            raise Refused(400, "want one prompt, temperature 0")
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         raise Refused(400, "want one prompt: a string or a list of token ids")
 
-    async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _complete(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The answer as vLLM's completions API gives it: one body, or (``stream``) the
+        chunks of its event stream, one a token, then the usage if asked for."""
         params = body.get("kv_transfer_params") or {}
         try:
             prompt_ids = self._prompt_ids(body)
@@ -182,18 +188,30 @@ class Emulator:
             await self.endpoint.refuse(params, refusal)
         max_tokens = int(body.get("max_tokens") or 16)
         out, finish = await self.endpoint.decode(params, prompt_ids, max_tokens)
-        text, n = self._detokenize(prompt_ids, out), len(prompt_ids)
+        deltas, n = self._detokenize(prompt_ids, out), len(prompt_ids)
         usage = {"prompt_tokens": n, "completion_tokens": len(out), "total_tokens": n + len(out)}
-        choice = {"index": 0, "text": text, "finish_reason": finish}
-        if body.get("return_token_ids"):  # as vLLM: the stop token is among them
-            choice.update(prompt_token_ids=prompt_ids, token_ids=out)
+        ids = bool(body.get("return_token_ids"))  # as vLLM: the stop token is among them
         rid = body.get("request_id") or f"qaic-{time.monotonic_ns()}"
-        return {"id": f"cmpl-{rid}", "object": "text_completion",
-                "model": body.get("model"), "choices": [choice], "usage": usage}  # fmt: skip
+        head = {"id": f"cmpl-{rid}", "object": "text_completion", "model": body.get("model")}
+        if not body.get("stream"):
+            choice = {"index": 0, "text": "".join(deltas), "finish_reason": finish}
+            if ids:
+                choice.update(prompt_token_ids=prompt_ids, token_ids=out)
+            return [{**head, "choices": [choice], "usage": usage}]
+        chunks = []
+        for i, (token, text) in enumerate(zip(out, deltas, strict=True)):
+            last = i == len(out) - 1
+            choice = {"index": 0, "text": text, "finish_reason": finish if last else None}
+            if ids:
+                choice["token_ids"] = [token]
+            chunks.append({**head, "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            chunks.append({**head, "choices": [], "usage": usage})
+        return chunks
 
     # --- HTTP -----------------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             try:
                 body = await request.json()
@@ -202,11 +220,21 @@ class Emulator:
             if not isinstance(body, dict):
                 raise Refused(400, "the body must be a JSON object")
             # Shielded: a client that goes away must not free a slot a thread still writes.
-            return web.json_response(await asyncio.shield(self._complete(body)))
+            chunks = await asyncio.shield(self._complete(body))
         except Refused as exc:
             logger.warning("request refused (%d): %s", exc.status, exc)
             err = {"message": str(exc), "type": "QAICEmulatorError", "code": exc.status}
             return web.json_response({"error": err}, status=exc.status)
+        if not body.get("stream"):
+            return web.json_response(chunks[0])
+        # Sent once the decode is done: the emulator decodes a request whole.
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in chunks:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
 
     async def health(self, _: web.Request) -> web.Response:
         return web.json_response({"ok": True})

@@ -19,6 +19,7 @@ import aiohttp
 import requests
 
 from testbed import copy_task
+from testbed.llm_d_sidecar import sidecar_completion
 
 
 def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple[str, str | None]]:
@@ -85,15 +86,19 @@ async def run(args: argparse.Namespace) -> None:
             if gaps:
                 await asyncio.sleep(gaps[i])
                 before = await asyncio.to_thread(decode_loads, args.decode_urls)
-            t0 = time.monotonic()
-            async with session.post(args.url + "/v1/completions", json=body) as resp:
-                payload = await resp.json(content_type=None)
+            t0, prefill_s = time.monotonic(), 0.0
+            if args.sidecar:  # llm-d's sidecar: the decode's URL, the prefill leg first
+                rid, urls = f"{args.label}-{i}-{time.monotonic_ns()}", (args.sidecar, args.url)
+                status, payload = await sidecar_completion(session, *urls, body, rid)
+            else:
+                async with session.post(args.url + "/v1/completions", json=body) as resp:
+                    status, payload = resp.status, await resp.json(content_type=None)
+                # The proxy's Server-Timing: the prefill leg's share (its queue and forward).
+                timing = re.search(r"prefill;dur=([0-9.]+)", resp.headers.get("Server-Timing", ""))
+                prefill_s = float(timing.group(1)) / 1e3 if timing else 0.0
             seconds = time.monotonic() - t0
-            # The proxy's Server-Timing: the prefill leg's share (its queue and forward).
-            timing = re.search(r"prefill;dur=([0-9.]+)", resp.headers.get("Server-Timing", ""))
-            prefill_s = float(timing.group(1)) / 1e3 if timing else 0.0
-            if resp.status != 200:
-                results[i] = {"error": f"HTTP {resp.status}: {str(payload)[:300]}"}
+            if status != 200:
+                results[i] = {"error": f"HTTP {status}: {str(payload)[:300]}"}
             else:
                 choice = payload["choices"][0]
                 results[i] = {
@@ -288,6 +293,8 @@ def main() -> int:
         help="one request per gap, alone, after that many seconds idle (0: at once)",
     )  # fmt: skip
     r.add_argument("--decode-urls", nargs="*", default=[], help="with --gaps: decodes' metrics")
+    help = "the prefill's URL: --url is the decode's, the legs llm-d's sidecar sends"
+    r.add_argument("--sidecar", default=None, help=help)
     v = sub.add_parser("verdict")
     v.add_argument("--disagg", required=True)
     v.add_argument("--agg", required=True)

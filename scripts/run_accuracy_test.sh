@@ -134,9 +134,16 @@ next_port; X_PORT=$NEXT_PORT
 # ROUTER=proxy: the project's proxy in front. ROUTER=vllm-router: vLLM's Rust P/D router
 # (vllm-router 0.1.17, test extras) on the same port; it names no decode, so the prefill
 # stages in its own layout (STAGE_AT=decode) unless decode_peers tells it otherwise.
+# ROUTER=llm-d: no router process; the client sends each request as llm-d's routing sidecar
+# does (testbed/llm_d_sidecar.py: a prefill leg, then the decode leg streamed), 1P1D.
 ROUTER=${ROUTER:-proxy}
-case "$ROUTER" in proxy|vllm-router) ;; *) echo "[harness] ROUTER=$ROUTER: proxy or vllm-router"; exit 2;; esac
-if [ "$ROUTER" = vllm-router ]; then STAGE_AT=${STAGE_AT:-decode}; else STAGE_AT=${STAGE_AT:-prefill}; fi
+case "$ROUTER" in proxy|vllm-router|llm-d) ;; *) echo "[harness] ROUTER=$ROUTER: proxy, vllm-router or llm-d"; exit 2;; esac
+if [ "$ROUTER" = proxy ]; then STAGE_AT=${STAGE_AT:-prefill}; else STAGE_AT=${STAGE_AT:-decode}; fi
+X_URL="http://127.0.0.1:$X_PORT" VIA=()
+if [ "$ROUTER" = llm-d ]; then
+  [ "$NUM_PREFILL_INSTANCES$NUM_DECODE_INSTANCES$DECODER_DP_SIZE" = 111 ] || unsupported "ROUTER=llm-d runs one prefill and one decode"
+  X_URL="http://127.0.0.1:$D_PORT" VIA=(--sidecar "http://127.0.0.1:$P_PORT")
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export PYTHONUNBUFFERED=1
 
@@ -222,17 +229,18 @@ if [ "$ROUTER" = vllm-router ]; then
   for port in "${P_PORTS[@]}"; do ROUTER_ARGS+=(--prefill "http://127.0.0.1:$port"); done
   for url in "${DECODE_URLS[@]}"; do ROUTER_ARGS+=(--decode "$url"); done
   "${OWN_GROUP[@]}" "$ROUTER_BIN" "${ROUTER_ARGS[@]}" >"$RUN_DIR/router.log" 2>&1 &
-else
+  PIDS+=($!)
+elif [ "$ROUTER" = proxy ]; then
   "${OWN_GROUP[@]}" "$PY" -m vllm_qaic_proxy --port "$X_PORT" "${PROXY_ARGS[@]}" >"$RUN_DIR/proxy.log" 2>&1 &
+  PIDS+=($!)
 fi
-PIDS+=($!)
 
 wait_ready() {  # name port: the launcher's readiness wait; fails when any server of the run exits
   "$PY" -m testbed.serve wait "$1" "$2" "$STARTUP_TIMEOUT" "${PIDS[@]}" || exit 1
 }
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
-wait_ready "$ROUTER" "$X_PORT"
+[ "$ROUTER" = llm-d ] || wait_ready "$ROUTER" "$X_PORT"
 # Which KV packing each engine's connector found (vLLM CPU's differs by host, dtype, head size),
 for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
   # and the KV dtype each computes in (a QAIC program's: its buffers')
@@ -250,7 +258,7 @@ DECODE_METRICS_URLS=(); for port in "${D_PORTS[@]}"; do DECODE_METRICS_URLS+=("h
 # prompts after the concurrent run's).
 LONE_ARGS=()
 if [ ${#GAPS[@]} -gt 0 ]; then
-  run_prompts lone "http://127.0.0.1:$X_PORT" "$RUN_DIR/lone.json" 0 --offset "$NUM_PROMPTS" \
+  run_prompts lone "$X_URL" "$RUN_DIR/lone.json" 0 --offset "$NUM_PROMPTS" "${VIA[@]}" \
     --gaps "${GAPS[@]}" --decode-urls "${DECODE_METRICS_URLS[@]}"
   LONE_ARGS=(--lone "$RUN_DIR/lone.json" --lone-first-max-s "$LONE_FIRST_MAX_S")
 fi
@@ -258,7 +266,7 @@ fi
 # connector idle), salted so that it shares no prefix-cache block with the handoffs. One
 # server fewer than a separate aggregated instance: start-up is most of a run's time here.
 run_prompts aggregated "http://127.0.0.1:$P_PORT" "$RUN_DIR/agg.json" $((NUM_PROMPTS + ${#GAPS[@]})) --cache-salt reference
-run_prompts disaggregated "http://127.0.0.1:$X_PORT" "$RUN_DIR/disagg.json" "$NUM_PROMPTS"
+run_prompts disaggregated "$X_URL" "$RUN_DIR/disagg.json" "$NUM_PROMPTS" "${VIA[@]}"
 sleep 1  # let the last step's connector stats reach the metrics endpoint
 METRICS=()
 for j in "${!D_PORTS[@]}"; do

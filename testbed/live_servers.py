@@ -256,14 +256,6 @@ def is_correct(body: dict[str, Any], answer: str) -> bool:
     return isinstance(text, str) and copy_task.is_correct(text, answer)
 
 
-# What vLLM's router, llm-d's sidecar and Dynamo send a prefill: NixlConnector's fields,
-# no decode named.
-ROUTER_PARAMS = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
-}  # fmt: skip
-
-
 def completion_body(
     prompt: str, max_tokens: int = ANSWER_TOKENS, params: Any = None
 ) -> dict[str, Any]:

@@ -4,6 +4,7 @@ NIXL. The real vLLM prefill -> emulator runs: tests/live/test_qaic_emulator_harn
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import uuid
@@ -172,27 +173,33 @@ SENTINEL = 7.25
 
 
 @pytest.mark.parametrize(
-    ("transport", "layout", "block", "prefix", "programs"),
+    ("transport", "layout", "block", "prefix", "programs", "dtype"),
     [
-        ("shm", "qaic_slot", CTX, None, 1),
-        ("shm", "qaic_slot", CTX, "P0", 1),
-        ("shm", "vllm_cpu_vec", 16, None, 1),
-        ("nixl", "qaic_slot", CTX, None, 1),
-        ("nixl", "qaic_slot", CTX, "P0", 2),
-        ("nixl", "vllm_cpu_vec", 16, None, 1),
+        ("shm", "qaic_slot", CTX, None, 1, "float32"),
+        ("shm", "qaic_slot", CTX, "P0", 1, "float32"),
+        ("shm", "vllm_cpu_vec", 16, None, 1, "float32"),
+        ("shm", "vllm_cpu_vec", 16, None, 1, "float16"),
+        ("nixl", "qaic_slot", CTX, None, 1, "float32"),
+        ("nixl", "qaic_slot", CTX, "P0", 2, "float32"),
+        ("nixl", "vllm_cpu_vec", 16, None, 1, "float32"),
+        ("nixl", "qaic_slot", CTX, None, 1, "float16"),
     ],
     ids=[
         "shm-slot-native", "shm-slot-native-prefixed", "shm-vllm-cpu-converted",
-        "nixl-slot-native", "nixl-slot-native-prefixed-layer-split", "nixl-vllm-cpu-converted",
+        "shm-vllm-cpu-converted-to-float16", "nixl-slot-native",
+        "nixl-slot-native-prefixed-layer-split", "nixl-vllm-cpu-converted",
+        "nixl-slot-converted-to-float16",
     ],
 )  # fmt: skip
 def test_decodes_from_slot_bytes_like_the_reference(
-    tag, transport, layout, block, prefix, programs
+    tag, transport, layout, block, prefix, programs, dtype
 ):
+    """The float32 prefill's KV into float32 programs, and into float16 ones (converted in
+    the copy into the slot; over NIXL from the receive buffer, as a READ cannot convert)."""
     prefill = FakePrefill(tag, transport)
     cfg = EmulatorConfig(
         MODEL, f"{tag}d", slots=2, ctx=CTX, kv_cache_prefix=prefix, transport=transport,
-        programs=programs,
+        programs=programs, dtype=dtype,
     )  # fmt: skip
     emu = Emulator(cfg)
     try:
@@ -230,9 +237,11 @@ def test_decodes_from_slot_bytes_like_the_reference(
         tokens = sum(len(tok.encode(p)) for p, _ in cases)
         c = emu.endpoint.counters
         assert c["loaded_requests"] == 3 and c["loaded_tokens"] == tokens
-        assert c["dma_bytes"] == tokens * L * 2 * H * D * 4  # exactly [k, :, 0:n, :] per buffer
-        assert c["bytes_copied"] == (0 if layout == "qaic_slot" else c["dma_bytes"])
-        direct = transport == "nixl" and layout == "qaic_slot"
+        item = emu.endpoint.target.dtype.itemsize  # exactly [k, :, 0:n, :] per buffer:
+        assert c["dma_bytes"] == tokens * L * 2 * H * D * item
+        native = layout == "qaic_slot" and dtype == "float32"
+        assert c["bytes_copied"] == (0 if native else c["dma_bytes"])
+        direct = transport == "nixl" and native
         # Straight into the slot: one descriptor per (layer, K|V, head) as n < ctx.
         assert c["read_descriptors"] == (3 * L * 2 * H if direct else 0)
         assert emu.endpoint.slots_in_use == 0 and emu.endpoint.slots_in_use_max == 1
@@ -246,7 +255,7 @@ def test_decodes_from_slot_bytes_like_the_reference(
         k0 = emu.endpoint.target.kv(0)[0][0, :, :n]
         with torch.no_grad():
             ref = _model()(input_ids=torch.tensor([tok.encode(cases[2][0])])).past_key_values
-        assert torch.equal(k0, ref.layers[0].keys[0])
+        assert torch.equal(k0, ref.layers[0].keys[0].to(k0.dtype))
     finally:
         emu.close()
         prefill.close()
@@ -351,6 +360,46 @@ def test_a_request_waiting_for_a_slot_keeps_its_lease(tag):
         assert copy_task.is_correct(body["choices"][0]["text"], answer)
         assert prefill.renewed.count("r0") >= 2 and prefill.released(1) == ["r0"]
         assert emu.endpoint.counters["slot_waits"] == 1
+    finally:
+        emu.close()
+        prefill.close()
+
+
+def test_a_streamed_answer_is_the_whole_one_in_chunks(tag):
+    """As llm-d's sidecar asks the decode (streamed, with usage): one chunk a token, their
+    texts and token ids the unstreamed answer's, the usage last, then [DONE]."""
+    prefill = FakePrefill(tag)
+    emu = Emulator(EmulatorConfig(MODEL, f"{tag}d", slots=1, ctx=CTX))
+    try:
+        prompt, answer = copy_task.heldout_prompts(1)[0]
+        ids = emu.tokenizer.encode(prompt)
+        body = {"model": "m", "prompt": prompt, "max_tokens": 20, "return_token_ids": True}
+
+        async def scenario(client: TestClient) -> tuple[dict, list[bytes]]:
+            params = prefill.stage("whole", ids, "qaic_slot", CTX)
+            whole = await client.post(
+                "/v1/completions", json={**body, "kv_transfer_params": params}
+            )
+            params = prefill.stage("streamed", ids, "qaic_slot", CTX)
+            streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            resp = await client.post(
+                "/v1/completions", json={**streamed, "kv_transfer_params": params}
+            )
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            return await whole.json(), (await resp.read()).split(b"\n\n")
+
+        whole, events = _run(emu, scenario)
+        assert events[-2:] == [b"data: [DONE]", b""]
+        chunks = [json.loads(e[6:]) for e in events[:-2]]
+        choices = [c["choices"][0] for c in chunks[:-1]]
+        want = whole["choices"][0]
+        assert copy_task.is_correct(want["text"], answer)
+        assert "".join(c["text"] for c in choices) == want["text"]
+        assert [t for c in choices for t in c["token_ids"]] == want["token_ids"]
+        assert all(len(c["token_ids"]) == 1 for c in choices)
+        assert [c["finish_reason"] for c in choices][-2:] == [None, "stop"]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+        assert prefill.released(2) == ["whole", "streamed"]
     finally:
         emu.close()
         prefill.close()

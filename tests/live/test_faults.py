@@ -37,7 +37,6 @@ import requests
 
 from testbed import proxy_clients
 from testbed.live_servers import (
-    ROUTER_PARAMS,
     LiveRun,
     Server,
     Streamed,
@@ -61,6 +60,7 @@ from testbed.live_servers import (
     token_ids,
     wait_all_ready,
 )
+from testbed.llm_d_sidecar import ROUTER_PARAMS
 from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import prompt_hash

@@ -365,3 +365,28 @@ def test_failed_construction_leaves_nothing_behind(shm_prefix):
 def _write_slot(target, slot, layer_kv, n):
     """A request's per-layer K/V ``[heads, >=n, head_dim]`` as one block each, into ``slot``."""
     return target.write_slot_from_blocks(slot, [(k[None], v[None]) for k, v in layer_kv], [0], n)
+
+
+def test_every_bf16_value_lands_in_a_float16_slot_exactly_where_float16_can_hold_it(shm_prefix):
+    """All 65,536 bf16 bit patterns (NaNs apart) through the slot copy: float16 holds every
+    bf16 value of its normal range (8 bits of mantissa in 11) exactly, so there the copy
+    loses nothing; beyond 65504 a value is infinite, below 2**-14 rounded, as torch rounds."""
+    values = (
+        torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    )
+    values = values[~values.isnan()]
+    tokens = -(-values.numel() // (2 * D))  # a [1, 2, tokens, D] K (and V) holding them all
+    k = torch.zeros(2 * tokens * D, dtype=torch.bfloat16)
+    k[: values.numel()] = values
+    k = k.view(1, 2, tokens, D)
+    specs = [BufferSpec(f"past_{kv}.0", (1, 2, tokens, D), "float16") for kv in ("key", "value")]
+    with SlotTarget(Manifest([specs]), shm_prefix, None) as target:
+        slot = target.allocate_slot()
+        target.write_slot_from_blocks(slot, [(k, k)], [0], tokens)
+        got = target.kv(0)[0][slot].reshape(-1)[: values.numel()]
+        assert torch.equal(got, values.to(torch.float16))  # torch's rounding, one pass
+        size = values.float().abs()  # 65504 is no bf16 value: compared in float32
+        normal = (size >= 2**-14) & (size <= 65504)
+        assert torch.equal(got[normal].to(torch.bfloat16), values[normal])  # exact
+        # 2 signs x 30 exponents (2**-14 .. 2**15) x 128 mantissas of 7 bits
+        assert int(normal.sum()) == 2 * 30 * 128 and bool(got[size > 65504].isinf().all())

@@ -9,7 +9,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from testbed.handshake_ranks import rank_meta
-from testbed.live_servers import ROUTER_PARAMS
+from testbed.llm_d_sidecar import ROUTER_PARAMS
 from testbed.ports import free_port
 from testbed.vllm_harness import (
     BS,
