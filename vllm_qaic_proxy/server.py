@@ -80,14 +80,12 @@ class Proxy:
             return await self._handoff(request, body, api)
         # Streamed, each prompt's handoff streams into one stream, as vLLM streams a list.
         streamed = prompt_lists.StreamedList(request, body.get("n")) if body.get("stream") else None
-        answers = await asyncio.gather(
-            *(
-                self._handoff(
-                    request, {**body, "prompt": p}, api, streamed.part(i) if streamed else None
-                )
-                for i, p in enumerate(several)
-            )
+        parts = [streamed.part(i) if streamed else None for i in range(len(several))]
+        handoffs = (
+            self._handoff(request, {**body, "prompt": p}, api, part)
+            for p, part in zip(several, parts, strict=True)
         )
+        answers = await asyncio.gather(*handoffs)
         if streamed is not None:  # every prompt failed before the stream opened: the first
             failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
             if failures and not streamed.out.prepared:
@@ -187,11 +185,8 @@ class Proxy:
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
         the request continues a stored response, which one decode holds (the others 404)."""
         pool = self.router.decodes if leg == "decode" else self.router.prefills
-        return await self.legs.failover(
-            pool,
-            url,
-            held(stored, lambda u: self.legs.answer(request, u, body, timing, first, leg, sink)),
-        )
+        call = held(stored, lambda u: self.legs.answer(request, u, body, timing, first, leg, sink))
+        return await self.legs.failover(pool, url, call)
 
     async def _prefill_only(
         self,

@@ -32,8 +32,7 @@ class DeviceCopies:
         self._local = threading.local()  # each copying thread's stream
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
+        if (stream := getattr(self._local, "stream", None)) is None:
             stream = self._local.stream = torch.cuda.Stream(device)
         return stream
 
@@ -42,9 +41,7 @@ class DeviceCopies:
         """An event after the work queued so far on the engine's stream (None on a CPU)."""
         if device.type != "cuda":
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return event
+        return torch.cuda.current_stream(device).record_event()
 
     @contextlib.contextmanager
     def after(self, event: torch.cuda.Event | None, device: torch.device) -> Iterator[None]:
@@ -71,8 +68,7 @@ class DeviceCopies:
             else:
                 mirrored_copy(src, src_blocks, dst, dst_blocks, t0, t1, heads, dst_t0,
                               saving=src[0][0].is_cuda, device=device)  # fmt: skip
-            done = torch.cuda.Event()
-            done.record(stream)
+            done = stream.record_event()
         done.synchronize()
         return tokens_bytes(dst, t0, t1, heads)
 

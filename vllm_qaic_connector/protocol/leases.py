@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from operator import attrgetter
 
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
@@ -19,6 +20,8 @@ from vllm_qaic_connector.protocol.wire import RemotePrefill, Renewed, RenewReque
 
 logger = get_logger(__name__)
 MIN_PERIOD_S, MAX_PERIOD_S = 0.1, 10.0
+# The prefill's staged request a ticket names: requests here that share one share its lease.
+_staged_at = attrgetter("remote_host", "remote_port", "remote_request_id")
 
 
 class LeaseRenewer:
@@ -58,12 +61,9 @@ class LeaseRenewer:
         with self._lock:
             remote = self._wanted.pop(request_id, None)
             self._holds_until.pop(request_id, None)
-            others = {(r.remote_host, r.remote_port, r.remote_request_id)
-                      for r in self._wanted.values()}  # fmt: skip
-        if (
-            remote is not None
-            and (remote.remote_host, remote.remote_port, remote.remote_request_id) not in others
-        ):  # a sibling (n > 1) that shares the ticket still wants it
+            others = {_staged_at(r) for r in self._wanted.values()}
+        # Not while a sibling (n > 1) that shares the ticket still wants it.
+        if remote is not None and _staged_at(remote) not in others:
             args = (remote, self._key, self._timeout_s)
             threading.Thread(target=side_channel.release, args=args, daemon=True).start()
 

@@ -146,11 +146,9 @@ def compat_hash(
 
 def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
     """Names the first field that makes two engines unable to share KV, or None."""
-    if mine.weights and theirs.weights:
-        other_weights = mine.weights != theirs.weights
-    else:  # a side without a fingerprint: the model's name is all there is
-        other_weights = mine.model != theirs.model
-    if other_weights:
+    # A side without a fingerprint: the model's name is all there is.
+    fingerprints = mine.weights and theirs.weights
+    if (mine.weights != theirs.weights) if fingerprints else (mine.model != theirs.model):
         return (
             f"peer {theirs.engine_id!r} computes KV with other weights: ours={mine.model!r} "
             f"({mine.weights or 'no fingerprint'}) theirs={theirs.model!r} "
@@ -403,8 +401,7 @@ def ticket_problem(
             f"the prefill computed this KV with {_weights(params.adapter)}, this request "
             f"runs {_weights(adapter)}: other weights, other KV"
         )
-    late = time.time() - max(params.expires_at, renewed_until)
-    if late > 0:
+    if (late := time.time() - max(params.expires_at, renewed_until)) > 0:
         return f"the ticket expired {late:.1f}s ago (lease_s={params.lease_s})"
     return None
 

@@ -70,8 +70,7 @@ def parse_kv_name(name: str, pattern: re.Pattern[str]) -> KVName | None:
     A layer index with leading zeros (``past_key.01``) raises ValueError: it would alias
     ``past_key.1`` and nothing emits it, so it is a broken program, not a non-KV buffer.
     """
-    m = pattern.fullmatch(name)
-    if m is None:
+    if (m := pattern.fullmatch(name)) is None:
         return None
     digits = m["layer"]
     if len(digits) > 1 and digits[0] == "0":

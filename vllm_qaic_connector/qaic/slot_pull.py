@@ -9,6 +9,8 @@ READ is the DMA, with no receive buffer and no host copy, and other slots are ne
 
 from __future__ import annotations
 
+from itertools import chain
+
 from vllm_qaic_connector.kv.byte_runs import ByteRun, plan_slot_reads
 from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import TransportEndpoint
@@ -24,9 +26,8 @@ class SlotPuller:
         self.target, self.transport = target, transport
         self._buffers = [target.kv(layer) for layer in range(target.num_layers)]
         try:
-            for pair in self._buffers:
-                for buffer in pair:
-                    transport.register_destination(buffer)
+            for buffer in chain.from_iterable(self._buffers):
+                transport.register_destination(buffer)
         except BaseException:
             self.close()
             raise
@@ -53,7 +54,6 @@ class SlotPuller:
         return runs
 
     def close(self) -> None:
-        for pair in self._buffers:
-            for buffer in pair:
-                self.transport.deregister_destination(buffer)
+        for buffer in chain.from_iterable(self._buffers):
+            self.transport.deregister_destination(buffer)
         self._buffers = []

@@ -84,8 +84,7 @@ class Manifest(msgspec.Struct):
         found: dict[tuple[int, str], BufferRef] = {}
         for p, buffers in enumerate(self.programs):
             for spec in buffers:
-                parsed = parse_kv_name(spec.name, pattern)
-                if parsed is None:
+                if (parsed := parse_kv_name(spec.name, pattern)) is None:
                     continue  # vision/multimodal and other buffers are never touched
                 key = (parsed.layer, parsed.kind)
                 if old := found.get(key):

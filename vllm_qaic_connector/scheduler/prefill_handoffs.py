@@ -136,8 +136,7 @@ class PrefillHandoffs:
         if out.offset is not None or out.error is not None:
             return 0, False
         if out.target is None:
-            target = self._resolve_target(rid, params, out.waiting_since)
-            if target is None:
+            if (target := self._resolve_target(rid, params, out.waiting_since)) is None:
                 return None, False
             wanted = request.num_prompt_tokens // self.engine.geometry.block_size
             if sum(self._direct_held.values()) + wanted > self._direct_cap:

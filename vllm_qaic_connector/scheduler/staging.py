@@ -69,8 +69,7 @@ class StagingPool:
             held = self._held_by[holder]
             if quota is not None and held and held + need > quota:
                 return None
-            start = self._free.find(_FREE * need)
-            if start < 0:
+            if (start := self._free.find(_FREE * need)) < 0:
                 return None
             self._free[start : start + need] = _USED * need
             self._in_use += need
@@ -83,8 +82,7 @@ class StagingPool:
 
     def release(self, request_id: str) -> bool:
         with self._lock:
-            lease = self._leases.pop(request_id, None)
-            if lease is None:
+            if (lease := self._leases.pop(request_id, None)) is None:
                 return False
             first, n = lease.first_page, lease.num_pages
             self._free[first : first + n] = _FREE * n
@@ -116,8 +114,7 @@ class StagingPool:
     def renew(self, request_id: str, now: float | None = None) -> bool:
         """Restart a lease's clock; False if it is gone (expired or released)."""
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
+            if (lease := self._leases.get(request_id)) is None:
                 return False
             lease.expires_at = (time.monotonic() if now is None else now) + self.lease_s
             return True

@@ -173,8 +173,7 @@ class NixlTransport(KVTransport):
     def share_kv_cache(self, layers: Sequence[torch.Tensor], produces: bool) -> SharedCache | None:
         """Registers the storage behind ``layers`` with the agent: peers READ from it (a
         prefill) or we READ into it (a decode)."""
-        whole = backing(layers)
-        if whole is None:
+        if (whole := backing(layers)) is None:
             return None
         self.register_destination(whole)
         return described(layers, whole.numel(), address=whole.data_ptr(), device=whole.get_device())
@@ -237,8 +236,7 @@ class NixlTransport(KVTransport):
 
     def release_read(self, peer: TransportEndpoint, offset: int) -> None:
         with self._lock:
-            stack = self._held.get((peer.address, offset))
-            if stack:
+            if stack := self._held.get((peer.address, offset)):
                 self._give_back(stack.pop(0))
                 if not stack:
                     del self._held[(peer.address, offset)]
