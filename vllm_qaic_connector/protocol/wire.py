@@ -115,16 +115,18 @@ class RankMetadata(msgspec.Struct, frozen=True):
 
 
 COMPAT_FIELDS = ("num_layers", "num_kv_heads", "head_size")
-# What a QAIC decode converts into its programs' KV dtype inside its slot copy: plain floats,
-# rounded as the program's own float16 prefill rounds them. fp8 and int8 KV hold scaled or
-# compressed values: converting them needs their scales.
-CONVERTIBLE_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+# What a QAIC decode converts into its programs' KV dtype inside its slot copy: plain floats
+# (float16 holds every bf16 value of its normal range exactly). fp8 and int8 KV hold scaled
+# or compressed values: converting them needs their scales.
+CONVERTIBLE_DTYPES = frozenset({"bfloat16", "float16", "float32"})
 # A speculative drafter (EAGLE, MTP) keeps KV layers of its own: an engine running one differs
 # in layers from a peer that does not, though both serve one model (vLLM's NixlConnector
 # refuses such peers too).
 DRAFTER_HINT = "; a speculative drafter's KV layers count: run one --speculative-config on both"
-HINTS = {"num_layers": DRAFTER_HINT, "dtype": "; only a QAIC decode converts KV dtypes, between "
-         f"{', '.join(sorted(CONVERTIBLE_DTYPES))}"}  # fmt: skip
+HINTS = {
+    "num_layers": DRAFTER_HINT,
+    "dtype": "; only a QAIC decode converts, between " + ", ".join(sorted(CONVERTIBLE_DTYPES)),
+}
 
 
 def compat_hash(
