@@ -32,7 +32,7 @@ test: setup lint
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
 
-# The proxy against vLLM over 2 x 500 generated requests (CI runs 2 x 40 a day's seed).
+# The proxy against vLLM over 2 x 500 generated requests (CI runs 2 x 30 a day's seed).
 .PHONY: differential
 differential: setup
 	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1}
