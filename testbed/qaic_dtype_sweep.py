@@ -5,7 +5,7 @@ the share of tokens that agree with aggregated vLLM serving the same model in bf
     .venv/bin/python -m testbed.qaic_dtype_sweep [--models 4] [--prompts 32]
 
 Models cycle through Llama- and Qwen3-style architectures and both tokenizer families, each
-with its own seed (weights and tokenizer corpus); transports alternate shm and NIXL. Each
+with its own seed (weights and tokenizer corpus), over shm and NIXL in turn. Each
 run is scripts/run_accuracy_test.sh with DECODE_TARGET=qaic DTYPE=bfloat16
 QAIC_DTYPE=float16: the endpoint converts in its copy into the slot. Exit status 1 if the
 tokens over all agree less than --min (99%, issue 55) or a run fails otherwise.
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="qaic-dtype-sweep-") as tmp:
         for i in range(args.models):
             (arch, tokenizer), seed = STYLES[i % len(STYLES)], args.first_seed + i
-            transport = ("shm", "nixl")[i // len(STYLES) % 2]
+            transport = ("shm", "nixl")[i % 2]
             model = Path(tmp) / f"random-{arch}-{seed}"
             subprocess.run([str(PY), str(ROOT / "scripts" / "make_random_model.py"), str(model),
                             "--arch", arch, "--tokenizer", tokenizer, "--seed", str(seed)],
