@@ -37,6 +37,9 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+_CONVERTIBLE = {torch_dtype(name) for name in CONVERTIBLE_DTYPES}
+
+
 class BufferSpec(msgspec.Struct, frozen=True):
     """One named program buffer. KV buffers are ``[slots, heads, ctx, head_dim]``; the
     layer and K/V a buffer holds come from its name (see qaic.buffers)."""
@@ -195,7 +198,7 @@ class SlotTarget:
         if len(layer_views) != self.num_layers:
             raise ValueError(f"got KV for {len(layer_views)} layers, target has {self.num_layers}")
         for layer, (k, _) in enumerate(layer_views):
-            converts = {k.dtype, self.dtype} <= {torch_dtype(d) for d in CONVERTIBLE_DTYPES}
+            converts = {k.dtype, self.dtype} <= _CONVERTIBLE
             if not (k.dtype == self.dtype or converts) or k.shape[1] != self.num_heads:
                 raise ValueError(
                     f"layer {layer} source is {k.dtype} with {k.shape[1]} heads, "
