@@ -1193,9 +1193,6 @@ class TestNixl:
     def test_a_stale_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster)
 
-    def test_r_a_draft_model_s_kv_keeps_its_place(self, nixl_cluster: Cluster) -> None:
-        check_draft_model_handoff(nixl_cluster)
-
     def test_a_stale_direct_ticket(self, nixl_cluster: Cluster) -> None:
         check_stale_ticket(nixl_cluster, direct=True)
 

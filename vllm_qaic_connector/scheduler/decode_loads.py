@@ -72,8 +72,9 @@ class DecodeLoads:
                 raise ValueError(f"the prefill could not hand the KV off: {failed}")
             parsed = parse_remote_prefill(request.kv_transfer_params or {})
             num_tokens = parsed.num_tokens
-            held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
             adapter = adapter_fingerprint(request.lora_request)
+            shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
+            held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
             if unusable := ticket_problem(parsed, self._key, held, prompt, adapter):
                 raise ValueError(unusable)
             if has_state(self._groups) and num_tokens == len(prompt):
@@ -81,7 +82,6 @@ class DecodeLoads:
                     f"the prefill staged all {num_tokens} prompt tokens; a model with "
                     "Mamba layers needs it to stop at least one token short"
                 )
-            shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             if shared == "busy":
                 return None, False  # vLLM asks again next step
             if shared == "read":  # by a sibling (n > 1): the rest is computed here
