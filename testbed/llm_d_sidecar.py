@@ -1,6 +1,6 @@
 """llm-d's routing sidecar (`-connector=nixlv2`) as a client: the request sequence it sends
 a P/D pair, for servers llm-d would front. The sidecar itself is Go and not installable
-here; tests/live/test_faults.py's test_k checks the same sequence by hand."""
+here; tests/live/test_faults.py's test_k drives a vLLM pair with it."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ from testbed.live_servers import (
     token_ids,
     wait_all_ready,
 )
-from testbed.llm_d_sidecar import ROUTER_PARAMS
+from testbed.llm_d_sidecar import ROUTER_PARAMS, sidecar_completion
 from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import prompt_hash
@@ -1151,21 +1151,15 @@ class TestShm:
         (prompt, answer), (alone, alone_answer) = c.prompts(2)
         loaded0, failed0 = (c.decode.metric(n, 0.0) for n in (LOADED, LOAD_FAILURES))
         expired0 = c.prefill.metric(EXPIRIES, 0.0)
-        headers = {"x-request-id": f"sidecar-{c.prompt_seed}"}
-        client = {**completion_body(prompt), "stream": True,
-                  "stream_options": {"include_usage": True}}  # fmt: skip
-        prefill_leg = {k: v for k, v in client.items() if k != "stream_options"}
-        prefill_leg.update(stream=False, max_tokens=1, kv_transfer_params=ROUTER_PARAMS)
-        r = requests.post(f"{c.prefill.url}/v1/completions", json=prefill_leg,
-                          headers=headers, timeout=CLIENT_TIMEOUT_S)  # fmt: skip
-        assert r.status_code == 200, r.text[:300]
-        decode_leg = {**client, "kv_transfer_params": r.json().get("kv_transfer_params")}
-        with requests.post(f"{c.decode.url}/v1/completions", json=decode_leg, headers=headers,
-                           stream=True, timeout=CLIENT_TIMEOUT_S) as resp:  # fmt: skip
-            events = [json.loads(line[6:]) for line in resp.iter_lines()
-                      if line.startswith(b"data: {")]  # fmt: skip
-        text = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
-        assert events and events[-1].get("usage"), "stream_options reached the decode"
+
+        async def sidecar() -> tuple[int, dict]:
+            async with aiohttp.ClientSession() as session:
+                body, rid = completion_body(prompt), f"sidecar-{c.prompt_seed}"
+                return await sidecar_completion(session, c.prefill.url, c.decode.url, body, rid)
+
+        status, streamed = asyncio.run(sidecar())
+        assert status == 200, streamed
+        assert streamed["usage"], "stream_options reached the decode"
         body = {**completion_body(alone), "kv_transfer_params": None}  # the sidecar's null
         fallback = requests.post(f"{c.decode.url}/v1/completions", json=body, timeout=60).json()
         time.sleep(1.0)  # the last step's connector stats reach /metrics
@@ -1178,7 +1172,7 @@ class TestShm:
         released = freed and c.prefill.metric(EXPIRIES, 0.0) == expired0
         say("llm-d sidecar", loaded=loaded, load_failures=failed, staging_freed=freed,
             by_lease_expiry=c.prefill.metric(EXPIRIES, 0.0) - expired0)  # fmt: skip
-        assert is_correct({"choices": [{"text": text}]}, answer), text
+        assert is_correct(streamed, answer), streamed
         assert is_correct(fallback, alone_answer), fallback
         assert (loaded, failed, released) == (1, 0, True)
 
