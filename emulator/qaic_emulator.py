@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from aiohttp import web
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.tokenizers import get_tokenizer
@@ -129,6 +129,12 @@ class Emulator:
 
     def __init__(self, cfg: EmulatorConfig, key: bytes | None = None) -> None:
         self.cfg = cfg
+        if latent := getattr(AutoConfig.from_pretrained(cfg.model), "kv_lora_rank", None):
+            raise ValueError(
+                f"{cfg.model} uses multi-head latent attention (MLA, a latent of {latent} "
+                "values per token): QAIC decode programs hold per-head K and V buffers "
+                "(past_key.{i}, past_value.{i}); serve this model's decode with vLLM"
+            )
         self.tokenizer = get_tokenizer(cfg.model)  # as vLLM tokenizes prompts
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch_dtype(cfg.dtype))
         self.device = TransformersDevice(model.eval(), cfg.corrupt)

@@ -20,8 +20,8 @@ computes other KV does not.
   cache group plus a Mamba state group.
 - llama_8b_kv: Llama-3-8B's KV bytes per token (32 layers, 8 KV heads of 128, bfloat16)
   on a narrow model.
-- deepseek_v2: multi-head latent attention, which the connector refuses by name (vLLM's
-  CPU MLA kernel does not run here either: "Unsupported block size: 16").
+- deepseek_v2: multi-head latent attention (MLA), dense: vLLM's CPU_MLA backend (its
+  decode kernel takes latents of 512 + 64 values, in 16-token blocks).
 
 Tokenizers, the two families models ship:
 - byte_level: GPT-2's, as Llama 3, Qwen and GPT-NeoX models have it.
@@ -215,11 +215,12 @@ def llama_8b_kv(vocab: int) -> PreTrainedModel:
 
 
 def deepseek_v2(vocab: int) -> PreTrainedModel:
-    """Multi-head latent attention (MLA): each layer caches one compressed latent (256) and
-    a shared RoPE key (64) per token, not per-head K and V (320: a size vLLM's MLA kernels
-    take). Dense MLPs."""
+    """Multi-head latent attention (MLA): each layer caches one compressed latent (512) and
+    a shared RoPE key (64) per token, not per-head K and V (576: the size vLLM's CPU MLA
+    decode kernel takes). Dense MLPs (vLLM CPU's MoE router asserts DeepSeek's
+    ``topk_group``)."""
     sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
-    latent = dict(kv_lora_rank=256, q_lora_rank=None, qk_rope_head_dim=64)
+    latent = dict(kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64)
     heads = dict(num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=32)
     dense = dict(first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2)
     cfg = DeepseekV2Config(

@@ -246,6 +246,7 @@ for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
   # and the KV dtype each computes in (a QAIC program's: its buffers')
   { grep -o -m1 -E "dtype=torch\.[a-z0-9]+|[a-z0-9]+ KV buffers" "$log"
     grep -o -E "vLLM CPU attention ISA [a-z0-9_]+ packs KV as [A-Za-z0-9_]+" "$log" | sort -u
+    grep -o -E "[A-Za-z0-9_]+ layout, [0-9]+ layers, block [0-9]+" "$log" | sort -u
   } 2>/dev/null | sed "s/^/[harness] $(basename "$log" .log): /" || true
 done
 

@@ -58,19 +58,22 @@ def vllm_kv_caches(
     device: str = "cpu",
 ) -> list[torch.Tensor]:  # fmt: skip
     """Per-layer caches exactly as a vLLM 0.32 engine builds them for ``kind``: one raw
-    allocation, strides from vLLM's layout math, views from `create_kv_cache_views`."""
+    allocation, strides from vLLM's layout math, views from `create_kv_cache_views`. An
+    MLA latent (`mla_latent`) of ``2 * geo.head_size`` values, as vLLM's CPU builds it."""
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheTensor,
+        MLAAttentionSpec,
         compute_layout_strides,
         create_kv_cache_views,
     )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    layout = KVCacheLayout[kind]
-    spec = FullAttentionSpec(
-        block_size=geo.block_size, num_kv_heads=geo.num_heads, head_size=geo.head_size,
-        dtype=geo.dtype,
+    mla = kind == "mla_latent"
+    layout = KVCacheLayout["LBNHC" if mla else kind]
+    spec = (MLAAttentionSpec if mla else FullAttentionSpec)(
+        block_size=geo.block_size, num_kv_heads=geo.num_heads,
+        head_size=(2 if mla else 1) * geo.head_size, dtype=geo.dtype,
     )  # fmt: skip
     layer_stride, block_stride, *_ = compute_layout_strides(spec, num_blocks, layers, layout)
     size = layers * num_blocks * spec.page_size_bytes

@@ -39,12 +39,6 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if vllm_config.model_config is not None and vllm_config.model_config.use_mla:
-            raise ValueError(
-                "QAICConnector does not support multi-head latent attention (MLA: DeepSeek-V2/"
-                "V3, Kimi-K2): its KV cache holds one latent per token, not the per-head K and V "
-                "this connector stages and converts. Serve such models with NixlConnector."
-            )
         if (pp := vllm_config.parallel_config.pipeline_parallel_size) > 1:
             raise ValueError(  # each half, as vLLM makes it (no earlier hook in vLLM 0.32)
                 f"QAICConnector does not support pipeline parallelism (--pipeline-parallel-size "

@@ -131,6 +131,19 @@ class QaicSlotLayout(KVLayout):
         return layer[0], layer[1]
 
 
+class MlaLatentLayout(VllmPagedLayout):
+    """Multi-head latent attention (DeepSeek-V2/V3): vLLM's MLA cache ``[blocks,
+    block_tokens, latent]``, one latent per token (compressed KV, then the RoPE key), the
+    same on every TP rank. Read as one head whose K and V are the latent's two halves, so
+    every copy (re-blocking included) moves a token's latent whole."""
+
+    kind = "mla_latent"
+    layer_order = (0, 1, 2, 3)
+
+    def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().kv_views(layer.view(layer.shape[0], 1, geo.block_size, -1), geo)
+
+
 LAYOUTS: dict[str, KVLayout] = {
     n: type(f"Vllm{n}Layout", (VllmPagedLayout,), {"kind": n, "layer_order": o})()
     for n, o in VLLM_ORDERS.items()
@@ -140,6 +153,7 @@ LAYOUTS |= {
     for n, t in CPU_PACKINGS.items()
 }
 LAYOUTS[QaicSlotLayout.kind] = QaicSlotLayout()
+LAYOUTS[MlaLatentLayout.kind] = MlaLatentLayout()
 if tuple(LAYOUTS) != LAYOUT_KINDS:
     raise ImportError("wire.LAYOUT_KINDS must name every layout, in order")
 

@@ -113,7 +113,10 @@ class WorkerSide:
         identity, geometry = rank_of(vllm_config, kv_cache_config)
         worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
-        worker.layout_name = getattr(kv_cache_config, "kv_cache_layout", None)
+        mla = vllm_config.model_config.use_mla
+        worker.layout_name = (
+            "mla_latent" if mla else getattr(kv_cache_config, "kv_cache_layout", None)
+        )
         return worker
 
     # --- registration ----------------------------------------------------------------------

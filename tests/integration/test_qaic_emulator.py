@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
 from scripts.eval_tiny_model import greedy_answer
 from testbed import copy_task
+from testbed.live_servers import random_model
 from testbed.shipped_model import MODEL_DIR, TINY
 from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
@@ -474,3 +475,11 @@ def test_failed_nixl_pulls_free_the_slot_and_the_staging_and_leave_nothing_regis
 
 
 # --- the real thing: vLLM prefill -> emulator ------------------------------------------------
+
+
+def test_a_model_with_multi_head_latent_attention_is_refused_at_start_up(tmp_path_factory):
+    """Its cache is one latent per token, not the per-head K and V a QAIC program's
+    retained-state buffers hold: the server does not start, and says why."""
+    model = random_model(tmp_path_factory, "deepseek_v2")
+    with pytest.raises(ValueError, match=r"multi-head latent attention .*per-head K and V"):
+        Emulator(EmulatorConfig(str(model), "mla"))

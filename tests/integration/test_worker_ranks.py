@@ -36,6 +36,9 @@ CASES = [
     (4, 1, 2, "LBNHC", 128, "qaic_slot", 256, 200, True),
     (4, 2, 1, "vllm_cpu_amx", 32, CPU, 64, 150, True),  # an AMX host to an AVX one
     (4, 1, 2, CPU, 64, "vllm_cpu_amx", 32, 97, False),
+    # MLA: one latent per token, the same on every rank: read once, re-blocked
+    (1, 2, 1, "mla_latent", 16, "mla_latent", 64, 150, True),
+    (1, 1, 2, "mla_latent", 16, "mla_latent", 16, 97, False),
 ]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm.config import ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
@@ -15,21 +14,10 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from testbed.live_servers import random_model
 from testbed.vllm_harness import make_kv_cache_config, make_vllm_config
 from vllm_qaic_connector.connector import QAICConnector
 from vllm_qaic_connector.layout import KVGeometry, get_layout
 from vllm_qaic_connector.worker.registration import RankIdentity, local_cache
-
-
-def test_a_model_with_multi_head_latent_attention_is_refused_by_name(tmp_path_factory):
-    model = random_model(tmp_path_factory, "deepseek_v2")
-    config = make_vllm_config("kv_producer")
-    config.model_config = ModelConfig(model=str(model), max_model_len=1024, dtype="float32")
-    assert config.model_config.use_mla  # vLLM runs it with an MLA cache
-    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
-        with pytest.raises(ValueError, match="multi-head latent attention"):
-            QAICConnector(config, role, make_kv_cache_config(16))
 
 
 def test_pipeline_parallelism_is_refused_by_name():

@@ -68,11 +68,16 @@ def groups_of(kv_cache_config: KVCacheConfig) -> tuple[KVGroup, ...]:
 
 
 def attention_geometry(kv_cache_config: KVCacheConfig) -> KVGeometry:
-    """The first attention group's geometry: the one every KV group shares."""
-    from vllm.v1.kv_cache_interface import MambaSpec
+    """The first attention group's geometry: the one every KV group shares. An MLA latent
+    is one head whose K and V are its halves (`layout.MlaLatentLayout`)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
     specs = (g.kv_cache_spec for g in kv_cache_config.kv_cache_groups)
     s: Any = next(s for s in specs if not isinstance(s, MambaSpec))  # an attention spec
+    if isinstance(s, MLAAttentionSpec):
+        if s.head_size % 2:
+            raise ValueError(f"QAICConnector: an MLA latent of {s.head_size} values does not halve")
+        return KVGeometry(1, s.head_size // 2, s.block_size, s.dtype)
     return KVGeometry(s.num_kv_heads, s.head_size, s.block_size, s.dtype)
 
 

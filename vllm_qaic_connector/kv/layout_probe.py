@@ -81,7 +81,7 @@ def resolved_layout(name: str | None, geometry: KVGeometry, verify: bool = True)
     way per host (`cpu_layout`)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
+    if current_platform.is_cpu() and name != "mla_latent":  # MLA: one layout everywhere
         return cpu_layout(geometry, verify)
     if not name:  # an older vLLM: its [2, blocks, ...] caches are not these layouts
         raise RuntimeError("QAICConnector needs vLLM >= 0.32 (KVCacheConfig.kv_cache_layout)")

@@ -29,7 +29,7 @@ ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")
 # QAIC slots. Here, not there: the proxy reads tickets and must not import torch.
 LAYOUT_KINDS = (
     "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC",
-    "vllm_cpu_vec", "vllm_cpu_amx", "vllm_cpu_neon_bf16", "qaic_slot",
+    "vllm_cpu_vec", "vllm_cpu_amx", "vllm_cpu_neon_bf16", "qaic_slot", "mla_latent",
 )  # fmt: skip
 # Older names, read as vLLM reads its legacy VLLM_KV_CACHE_LAYOUT values.
 LAYOUT_ALIASES = {"cuda_nhd": "LBNHC", "cuda_hnd": "LBHNC", "NHD": "LBNHC", "HND": "LBHNC"}
@@ -156,6 +156,11 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
             f"({mine.weights or 'no fingerprint'}) theirs={theirs.model!r} "
             f"({theirs.weights or 'no fingerprint'}); the same checkpoint, quantization "
             "and RoPE settings are needed on both sides"
+        )
+    if (mine.layout_kind == "mla_latent") != (theirs.layout_kind == "mla_latent"):
+        return (
+            f"peer {theirs.engine_id!r} caches {theirs.layout_kind} KV, ours {mine.layout_kind}: "
+            "a multi-head latent (MLA) has no per-head K and V to convert from or to"
         )
     qaic = "qaic_slot" in (mine.layout_kind, theirs.layout_kind)
     converts = qaic and {mine.dtype, theirs.dtype} <= CONVERTIBLE_DTYPES

@@ -136,7 +136,7 @@ def rank_of(
         engine_id=str(ktc.engine_id),
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
-        total_kv_heads=model_cfg.get_total_num_kv_heads(),
+        total_kv_heads=1 if model_cfg.use_mla else model_cfg.get_total_num_kv_heads(),
         model=str(model_cfg.model).rstrip("/").rsplit("/", 1)[-1],
         weights=weights_fingerprint(vllm_config),
         produces=bool(ktc.is_kv_producer),
