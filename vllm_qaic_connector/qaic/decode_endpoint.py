@@ -215,9 +215,8 @@ class DecodeEndpoint:
             raise ConnectionError(f"engine {src.engine_id} restarted since it staged the KV")
         geo = KVGeometry(src.num_kv_heads, src.head_size, remote.staged_block_size,
                          torch_dtype(src.dtype))  # fmt: skip
-        ack = None
-        if self.reader.delivers_notifications:
-            ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key)
+        notifies = self.reader.delivers_notifications  # else: released over the side channel
+        ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key) if notifies else None
         if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
             runs = self.puller.pull(slot, src.endpoint, remote.staging_offset, geo, n,
                                     remote.generation, ack)  # fmt: skip
