@@ -11,7 +11,6 @@ from aiohttp import web
 from vllm_qaic_connector.protocol.keys import KEY_ENV, load_key
 from vllm_qaic_proxy import server
 from vllm_qaic_proxy.routing import Router
-from vllm_qaic_proxy.server import HANDLER_CANCELLATION, Proxy
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.decode_kv and len(args.decode_kv) != len(args.decode):
         parser.error("--decode-kv needs one HOST:PORT per --decode URL")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
-    proxy = Proxy(
+    proxy = server.Proxy(
         [u.rstrip("/") for u in args.prefill],
         [u.rstrip("/") for u in args.decode],
         args.decode_kv,
@@ -56,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     web.run_app(
         proxy.app(), host=listen_hosts(args.host), port=args.port, print=None, loop=_event_loop(),
-        handler_cancellation=HANDLER_CANCELLATION,
+        handler_cancellation=server.HANDLER_CANCELLATION,
     )  # fmt: skip
 
 

@@ -35,12 +35,9 @@ class CopyPool:
         Under `SPLIT_MIN_BYTES`, or where that thread is busy with another copy, the whole
         copy runs here: a small load never queues behind a big one's half."""
         at = n // 2 if at is None else at
-        if (
-            self._pool is None
-            or nbytes < SPLIT_MIN_BYTES
-            or not 0 < at < n
-            or not self._idle.acquire(blocking=False)
-        ):
+        if self._pool is None or nbytes < SPLIT_MIN_BYTES or not 0 < at < n:
+            return work(0, n)
+        if not self._idle.acquire(blocking=False):  # the other thread is busy
             return work(0, n)
         try:
             second = self._pool.submit(work, at, n)

@@ -4,7 +4,6 @@ size (learnt by handshake), its own, or none at all where the decode reads its c
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 from vllm_qaic_connector.kv.kv_groups import KVGroup, layer_starts, staged_starts, state_bytes
 from vllm_qaic_connector.kv.staging_format import StagingFormat
@@ -12,7 +11,7 @@ from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import RankMetadata, direct_problem
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StagingTarget:
     """The physical format a prefill stages a request in for its decode."""
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -52,7 +51,7 @@ def _unreturnable(rid: str) -> str | None:
     return None
 
 
-@dataclass
+@dataclasses.dataclass
 class _Outgoing:
     """A prefill request on its way to a decode."""
 
@@ -65,7 +64,7 @@ class _Outgoing:
     saved_to: int = 0  # tokens staged so far
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PrefillEngine:
     """The facts about this prefill engine that a handoff needs."""
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
@@ -32,7 +31,7 @@ from vllm_qaic_connector.worker.registration import LocalCache, RankIdentity
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LoadResult:
     request_id: str
     failed_blocks: frozenset[int]
