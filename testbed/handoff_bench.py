@@ -49,7 +49,6 @@ from vllm_qaic_connector.tickets import (
     HEADER_BYTES,
     RegionHeaders,
     checked_read,
-    checked_region,
     new_incarnation,
 )
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
@@ -248,7 +247,7 @@ def direct_case(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:
             pass
 
     def load() -> None:
-        with checked_region(reader, peer, 0, GENERATION, notify):
+        with checked_read(reader, peer, 0, 0, GENERATION, notify):
             move()
 
     return Case(save, load, (src, src_blocks), (dst, dst_blocks))

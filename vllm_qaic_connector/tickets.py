@@ -132,7 +132,9 @@ def checked_read(
 ) -> Iterator[torch.Tensor]:
     """Yields a staged region's KV bytes; raises StaleTicket if the header did not hold
     ``generation`` both before the read and after the caller's copy. ``notify`` travels
-    with the final header read, so the prefill frees the region only after both checks."""
+    with the final header read, so the prefill frees the region only after both checks.
+    ``nbytes`` 0 reads the header alone, for a caller that moves the bytes itself (a READ
+    straight into its own memory): it is checked before and after the body of the ``with``."""
     region = transport.read(peer, offset, HEADER_BYTES + nbytes)
     if header_generation(region[:HEADER_BYTES]) != generation:
         transport.release_read(peer, offset)
@@ -143,21 +145,6 @@ def checked_read(
         yield region[HEADER_BYTES:]
     finally:
         transport.release_read(peer, offset)
-    _expect(_read_header(transport, peer, offset, notify)[0], generation, "after the copy")
-
-
-@contextmanager
-def checked_region(
-    transport: KVTransport,
-    peer: TransportEndpoint,
-    offset: int,
-    generation: int,
-    notify: bytes | None = None,
-) -> Iterator[None]:
-    """``checked_read`` for a caller that moves the bytes itself (a READ straight into its
-    own memory): the header is checked before and after the body of the ``with``."""
-    _await_seal(transport, peer, offset, generation)
-    yield
     _expect(_read_header(transport, peer, offset, notify)[0], generation, "after the copy")
 
 

@@ -15,7 +15,7 @@ from vllm_qaic_connector.kv.byte_runs import ByteRun, plan_slot_reads
 from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import TransportEndpoint
 from vllm_qaic_connector.qaic.target import SlotTarget
-from vllm_qaic_connector.tickets import HEADER_BYTES, checked_region
+from vllm_qaic_connector.tickets import HEADER_BYTES, checked_read
 from vllm_qaic_connector.transports.nixl import NixlTransport
 
 
@@ -49,7 +49,7 @@ class SlotPuller:
         self.target.check_writable(slot, num_tokens)
         addresses = [(k.data_ptr(), v.data_ptr()) for k, v in self._buffers]
         runs = plan_slot_reads(geo, num_tokens, slot, addresses)
-        with checked_region(self.transport, peer, staging_offset, generation, notify):
+        with checked_read(self.transport, peer, staging_offset, 0, generation, notify):
             self.transport.read_into(peer, runs, base_offset=staging_offset + HEADER_BYTES)
         return runs
 

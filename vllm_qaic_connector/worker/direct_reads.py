@@ -7,7 +7,7 @@ into shared memory (torch swaps the storage under every view of it, so vLLM's ke
 into shared memory from then on); over NIXL it registers it with its agent.
 A handed-off request's blocks stay held until the decode acknowledges or the lease ends.
 Its ticket is a header-only staging region, which the prefill invalidates before vLLM may
-reuse the blocks; the decode checks it before and after its copy (`tickets.checked_region`),
+reuse the blocks; the decode checks it before and after its copy (`tickets.checked_read`),
 so a late copy is a load error, never wrong KV.
 """
 
@@ -32,11 +32,9 @@ from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.stream_copy import copy_ranges
 from vllm_qaic_connector.kv.token_copies import block_runs
 from vllm_qaic_connector.layout import KVGeometry, KVLayout
-from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.wire import RankMetadata, SharedCache, TransportEndpoint
 from vllm_qaic_connector.worker.registration import LocalCache
 
-logger = get_logger(__name__)  # in vLLM's logger tree, without importing it
 FD_PATH_RE = re.compile(r"/proc/([0-9]+)/fd/[0-9]+")
 
 

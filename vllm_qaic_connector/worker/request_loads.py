@@ -12,12 +12,11 @@ from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.token_copies import layer_runs
 from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, source_ranks
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
-from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import RankMetadata, ack_message, direct_problem
 from vllm_qaic_connector.step_metadata import LoadSpec
-from vllm_qaic_connector.tickets import StaleTicket, checked_read, checked_region
+from vllm_qaic_connector.tickets import StaleTicket, checked_read
 from vllm_qaic_connector.transports import KVTransport
 from vllm_qaic_connector.worker.direct_reads import (
     DirectReader,
@@ -27,8 +26,6 @@ from vllm_qaic_connector.worker.direct_reads import (
 )
 from vllm_qaic_connector.worker.loader import WriteGate
 from vllm_qaic_connector.worker.registration import LocalCache, RankIdentity
-
-logger = get_logger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +181,7 @@ class RequestLoads:
         ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
         with (
-            checked_region(transport, src.endpoint, remote.staging_offset, remote.generation, ack),
+            checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation, ack),
             gate.writing(),
         ):
             if not src.cache.mapped:  # registered memory: READs of whole blocks
