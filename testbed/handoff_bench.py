@@ -155,7 +155,7 @@ def slot_target(shape: Shape, n: int, stack: ExitStack, dtype: str) -> SlotTarge
     names = [f"past_{kv}.{i}_RetainedState" for i in range(shape.layers) for kv in ("key", "value")]
     manifest = Manifest([[BufferSpec(name, dims, dtype) for name in names]])
     prefix = f"qaic_kv_bench{os.getpid()}_{new_incarnation()}"
-    return stack.enter_context(SlotTarget(manifest, prefix, None))
+    return stack.enter_context(closing(SlotTarget(manifest, prefix, None)))
 
 
 def build(path: Path, shape: Shape, n: int, stack: ExitStack) -> Case:

@@ -6,6 +6,7 @@ import itertools
 import os
 import uuid
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 
 import msgspec
 import pytest
@@ -105,7 +106,7 @@ def _fill_all(target: SlotTarget, n: int, seed: int) -> dict[int, list]:
 
 def test_writing_slot_k_touches_nothing_else(shm_prefix):
     m = Manifest([[*NON_KV[:2], *kv_specs(range(2), "P", "_RetainedState", 4), *NON_KV[2:]]])
-    with SlotTarget(m, shm_prefix, "P") as target:
+    with closing(SlotTarget(m, shm_prefix, "P")) as target:
         assert len(_segments(shm_prefix)) == len(m.programs[0])
         _randomize(target, m)
         before = _snapshot(target, m)
@@ -125,7 +126,7 @@ def test_writing_slot_k_touches_nothing_else(shm_prefix):
 
 def test_refill_a_released_slot_without_touching_the_others(shm_prefix):
     m = Manifest([[*kv_specs(range(2), "P", "", 4), NON_KV[0]]])
-    with SlotTarget(m, shm_prefix, "P") as target:
+    with closing(SlotTarget(m, shm_prefix, "P")) as target:
         written = _fill_all(target, 7, seed=10)
         before = _snapshot(target, m)
         target.release_slot(1)
@@ -139,7 +140,7 @@ def test_refill_a_released_slot_without_touching_the_others(shm_prefix):
 def test_32_slot_batch_refills_4_freed_slots_and_sends_only_their_kv(shm_prefix):
     layers, slots = 3, 32
     m = Manifest([[NON_KV[0], *kv_specs(range(layers), "vllm", "_RetainedState", slots)]])
-    with SlotTarget(m, shm_prefix, "vllm") as target:
+    with closing(SlotTarget(m, shm_prefix, "vllm")) as target:
         _fill_all(target, CTX, seed=0)
         with pytest.raises(RuntimeError, match="all 32 decode slots are in use"):
             target.allocate_slot()
@@ -164,7 +165,7 @@ def test_32_slot_batch_refills_4_freed_slots_and_sends_only_their_kv(shm_prefix)
 
 def test_slot_and_token_errors(shm_prefix):
     m = Manifest([kv_specs(range(1), None, "", 4)])
-    with SlotTarget(m, shm_prefix, None) as target:
+    with closing(SlotTarget(m, shm_prefix, None)) as target:
         kv = _request_kv(1, 4, seed=0)
         for bad in (4, 32, -1):
             with pytest.raises(ValueError, match=rf"slot {bad} out of range \[0, 4\)"):
@@ -201,7 +202,7 @@ def test_layer_split_over_two_programs(shm_prefix):
     m = Manifest([p0, p1])
     refs = m.kv_buffers("P")
     assert [(k.program, v.program) for k, v in refs] == [(0, 0), (1, 1)]
-    with SlotTarget(m, shm_prefix, "P") as target:
+    with closing(SlotTarget(m, shm_prefix, "P")) as target:
         assert target.segment_names == [f"{shm_prefix}_p0_b{i}" for i in range(3)] + [
             f"{shm_prefix}_p1_b{i}" for i in range(3)
         ]
@@ -228,7 +229,7 @@ def test_prefix_rule_on_internal_retained_state(shm_prefix):
     ]
     assert [k.spec.name for k, _ in m.kv_buffers("PQ")][0] == "past_key.0_PQ_InternalRetainedState"
     assert [k.spec.name for k, _ in m.kv_buffers(None)] == ["past_key.0_InternalRetainedState"]
-    with SlotTarget(m, shm_prefix, "P") as target:
+    with closing(SlotTarget(m, shm_prefix, "P")) as target:
         _randomize(target, m)
         before = _snapshot(target, m)
         slot = target.allocate_slot()
@@ -249,7 +250,7 @@ def test_write_from_staged_blocks_in_another_layout(shm_prefix):
     views = fmt.layer_views(region, n)
     blocks = [0, 1, 2]
     m = Manifest([[*kv_specs(range(2), "P", "_RetainedState", 3), NON_KV[0]]])
-    with SlotTarget(m, shm_prefix, "P") as target:
+    with closing(SlotTarget(m, shm_prefix, "P")) as target:
         _randomize(target, m)
         before = _snapshot(target, m)
         target.allocate_slot()
@@ -277,7 +278,7 @@ def test_a_slot_write_converts_the_dtype_as_it_copies(layout, staged, program, s
     views, blocks = fmt.layer_views(region, n), [2, 0, 1]
     specs = [BufferSpec(b.name, (3, H, 48, 32), program) for b in kv_specs(range(2), None, "", 3)]
     m = Manifest([specs])
-    with SlotTarget(m, shm_prefix, None) as target:
+    with closing(SlotTarget(m, shm_prefix, None)) as target:
         _randomize(target, m)
         before = _snapshot(target, m)
         target.allocate_slot()
@@ -380,7 +381,7 @@ def test_every_bf16_value_lands_in_a_float16_slot_exactly_where_float16_can_hold
     k[: values.numel()] = values
     k = k.view(1, 2, tokens, D)
     specs = [BufferSpec(f"past_{kv}.0", (1, 2, tokens, D), "float16") for kv in ("key", "value")]
-    with SlotTarget(Manifest([specs]), shm_prefix, None) as target:
+    with closing(SlotTarget(Manifest([specs]), shm_prefix, None)) as target:
         slot = target.allocate_slot()
         target.write_slot_from_blocks(slot, [(k, k)], [0], tokens)
         got = target.kv(0)[0][slot].reshape(-1)[: values.numel()]

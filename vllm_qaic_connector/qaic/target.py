@@ -218,12 +218,6 @@ class SlotTarget:
             seg.close()
         self._segments = []
 
-    def __enter__(self) -> SlotTarget:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("SlotTarget is closed")
