@@ -137,8 +137,7 @@ def _block_ids(blocks: Sequence[int], t0: int, t1: int, block_size: int) -> torc
 def _canonical(kv: KV, ids: torch.Tensor) -> KV:
     """Blocks ``ids`` of ``kv`` as canonical copies, unpacked where packed."""
     if isinstance(kv, PackedKV):
-        k, v = (t.unpack(plane[ids]) for t, plane in zip(kv.tilings, kv, strict=True))
-        return k, v
+        return kv.tilings[0].unpack(kv[0][ids]), kv.tilings[1].unpack(kv[1][ids])
     return kv[0][ids], kv[1][ids]
 
 

@@ -77,8 +77,7 @@ class LeaseRenewer:
             by_peer: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
             with self._lock:
                 for rid, remote in self._wanted.items():
-                    peer = (remote.remote_host, remote.remote_port)
-                    by_peer[peer][remote.remote_request_id] = rid
+                    by_peer[remote.remote_host, remote.remote_port][remote.remote_request_id] = rid
             for (host, port), ids in by_peer.items():
                 self._renew(host, port, ids)
 

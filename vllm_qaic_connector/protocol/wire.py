@@ -170,9 +170,8 @@ def incompatibility(mine: RankMetadata, theirs: RankMetadata) -> str | None:
             hint = HINTS.get(field, "")
             return f"peer {theirs.engine_id!r} differs in {field}: ours={a!r} theirs={b!r}{hint}"
     if mine.layers and theirs.layers and mine.layers != theirs.layers:
-        i = next(
-            i for i, (a, b) in enumerate(zip(mine.layers, theirs.layers, strict=True)) if a != b
-        )
+        pairs = enumerate(zip(mine.layers, theirs.layers, strict=True))
+        i = next(i for i, (a, b) in pairs if a != b)
         return (
             f"peer {theirs.engine_id!r} holds other KV layers: its layer {i} is "
             f"{theirs.layers[i]!r}, ours {mine.layers[i]!r}{DRAFTER_HINT}"

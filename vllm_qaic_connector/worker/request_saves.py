@@ -63,8 +63,7 @@ class RequestSaves:
             if spec.generation:
                 self.headers.promise(spec.staging_offset, spec.generation)
         job = self._last_job = self.saver.submit(self._save_all, saves, forward)
-        for spec in saves:
-            self._saving[spec.request_id] = job
+        self._saving.update((spec.request_id, job) for spec in saves)
 
     def _inline(self, saves: list[SaveSpec]) -> bool:
         """Small enough to copy in the step (`INLINE_SAVE_BYTES`), and nothing queued
