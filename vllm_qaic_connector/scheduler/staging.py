@@ -87,9 +87,8 @@ class StagingPool:
             first, n = lease.first_page, lease.num_pages
             self._free[first : first + n] = _FREE * n
             self._in_use -= n
-            self._held_by[lease.holder] -= n
-            if not self._held_by[lease.holder]:
-                del self._held_by[lease.holder]  # holders are named by requests: keep few
+            # A holder is dropped at 0 pages (Counter's -=): they are named by requests, keep few.
+            self._held_by -= Counter({lease.holder: n})
             self._freed.append(first * self.page_bytes)
             return True
 
