@@ -51,7 +51,7 @@ DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
 STREAM_HEAD = ("id", "object", "created", "model")
 
 
-def eligible(body: dict[str, Any], chat: bool) -> bool:
+def eligible(body: dict[str, Any]) -> bool:
     """Whether the prefill's token can be the answer's first."""
     prompt = body.get("prompt")
     one_prompt = isinstance(prompt, str) or (
@@ -61,7 +61,7 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
     carried = seeded or body.get("spaces_between_special_tokens") is False  # across it
     streamed_ids = body.get("return_token_ids") and body.get("stream")
     several = body.get("n") not in (None, 1)  # one prefill token, n answers to start
-    unsure = chat or carried or streamed_ids or several
+    unsure = carried or streamed_ids or several
     return one_prompt and not (unsure or any(asks(body, field) for field in SPANNING))
 
 

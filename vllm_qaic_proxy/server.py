@@ -104,11 +104,8 @@ class Proxy:
         client, or into ``sink`` (a part of a streamed list)."""
         prefill_url, decode_url = self.router.route()
         auth = credentials(request)
-        first_from_prefill = (
-            self._first_from_prefill
-            and api.first_token_from_prefill
-            and first_token.eligible(body, chat=False)
-        )
+        wanted = self._first_from_prefill and api.first_token_from_prefill
+        first_from_prefill = wanted and first_token.eligible(body)
         params: dict[str, Any] | None = None
         first: FirstToken | None = None
         timing: dict[str, str] = {}

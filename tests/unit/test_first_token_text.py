@@ -115,8 +115,8 @@ def test_the_joined_text_is_the_aggregated_text_or_the_decode_answers_alone(toke
 def test_state_carried_across_the_first_token_keeps_the_decodes_own(extra):
     from vllm_qaic_proxy.first_token import eligible
 
-    assert eligible({"prompt": "a b c"}, chat=False)
-    assert not eligible({"prompt": "a b c", **extra}, chat=False)
+    assert eligible({"prompt": "a b c"})
+    assert not eligible({"prompt": "a b c", **extra})
 
 
 # Fields of vLLM's CompletionRequest across which the decode continues exactly from the
