@@ -7,6 +7,7 @@ native copy runs (`BlockRows`, `BlockTiles`). Nothing here imports vLLM or does 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -153,14 +154,8 @@ def tokens_bytes(layers: Sequence[KV], t0: int, t1: int, heads: HeadRange | None
 def layer_runs(num_layers: int, *keys: Callable[[int], int]) -> list[tuple[tuple[int, ...], slice]]:
     """Consecutive layers that agree on every key (KV cache group, staging shift): each run
     is one `copy_layers` call."""
-    runs: list[tuple[tuple[int, ...], slice]] = []
-    for i in range(num_layers):
-        key = tuple(k(i) for k in keys)
-        if runs and runs[-1][0] == key:
-            runs[-1] = (key, slice(runs[-1][1].start, i + 1))
-        else:
-            runs.append((key, slice(i, i + 1)))
-    return runs
+    runs = itertools.groupby(range(num_layers), lambda i: tuple(k(i) for k in keys))
+    return [(key, slice(first, first + 1 + len(rest))) for key, (first, *rest) in runs]
 
 
 def _native_plan(src: torch.Tensor, dst: torch.Tensor, n: int) -> BlockRows | BlockTiles | None:
@@ -357,13 +352,9 @@ def _as_slice(idx: np.ndarray) -> _Index:
 
 def block_runs(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """(source block, destination block, count) runs of blocks consecutive on both sides."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_blocks, dst_blocks, strict=True):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
+    pairs = enumerate(zip(src_blocks, dst_blocks, strict=True))  # a run's pairs share s - i, d - i
+    runs = itertools.groupby(pairs, lambda p: (p[1][0] - p[0], p[1][1] - p[0]))
+    return [(s, d, 1 + len(rest)) for _, ((_, (s, d)), *rest) in runs]
 
 
 def gather_tokens(kv: KV, blocks: Sequence[int], num_tokens: int) -> KV:
