@@ -141,7 +141,9 @@ class MlaLatentLayout(VllmPagedLayout):
     layer_order = (0, 1, 2, 3)
 
     def kv_views(self, layer: torch.Tensor, geo: KVGeometry) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().kv_views(layer.view(layer.shape[0], 1, geo.block_size, -1), geo)
+        return super().kv_views(
+            layer.view(-1, geo.num_heads, geo.block_size, 2 * geo.head_size), geo
+        )
 
 
 LAYOUTS: dict[str, KVLayout] = {
