@@ -65,7 +65,7 @@ def test_layers_of_separate_storages_are_not_shared():
     assert move_into_shm([torch.zeros(4, 8), torch.zeros(4, 8)]) is None
 
 
-@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBNHC", "LBHNC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBNHC", "LBHNC", "mla_latent"])
 def test_another_process_copies_the_blocks_out_of_the_shared_cache(kind, tmp_path):
     """Moved into shm in place: vLLM's views of the cache (made before the move) write into
     it, and a second process maps it through /proc and copies the blocks it was named."""
@@ -249,7 +249,7 @@ ENDS = ["cpu-to-cpu"] + [
 
 @pytest.mark.nixl
 @pytest.mark.parametrize("ends", ENDS)
-@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBHNC", "BLHNC"])
+@pytest.mark.parametrize("kind", ["vllm_cpu_vec", "LBHNC", "BLHNC", "mla_latent"])
 def test_nixl_reads_the_blocks_out_of_the_registered_cache(kind, ends):
     """Two real NIXL agents: the prefill's cache registered, the decode's too, and one
     transfer of whole blocks (adjacent ones merged) from one into the other over UCX. A
