@@ -3,13 +3,15 @@ backends build and write it, read through the connector's `mla_latent` layout.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from vllm.config import ModelConfig
 from vllm.distributed import parallel_state
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
-from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -94,6 +96,9 @@ def test_an_mla_model_gets_the_latent_layout_and_one_replicated_head(tmp_path_fa
     (TP rank 0 stands in for vLLM's distributed group, which a test process lacks.)"""
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     model = random_model(tmp_path_factory, "deepseek_v2")
+    cfg = json.loads((model / "config.json").read_text())
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]  # the size vLLM's kernel takes
+    assert latent == LATENT + ROPE and latent in CPUMLABackend.get_supported_head_sizes()
     config = make_vllm_config("kv_producer")
     config.model_config = ModelConfig(model=str(model), max_model_len=1024, dtype="float32")
     assert config.model_config.use_mla
