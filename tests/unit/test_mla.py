@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
@@ -119,3 +120,20 @@ def test_a_latent_cache_and_per_head_kv_do_not_pair(tmp_path_factory):
             problem = incompatibility(a, b)
             assert problem and "multi-head latent (MLA)" in problem, problem
     assert incompatibility(latent, latent) is None
+
+
+def test_a_cache_mixing_latent_and_per_head_layers_names_the_layer_it_cannot_read():
+    """A model whose layers mix MLA with per-head attention: the geometry is the latent's
+    (the first attention group's), and the per-head layer's cache, of another size, stops
+    start-up with its name and shape instead of being read as a latent."""
+    mla = mla_config(16, torch.float32)
+    per_head = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    other = "model.layers.1.self_attn.attn"
+    cfg = KVCacheConfig(
+        num_blocks=mla.num_blocks, kv_cache_tensors=mla.kv_cache_tensors,
+        kv_cache_groups=[*mla.kv_cache_groups, KVCacheGroupSpec([other], per_head)],
+    )  # fmt: skip
+    caches = {LAYER: vllm_cache(mla), other: torch.zeros(mla.num_blocks, 2, 16, 128)}
+    identity, layout = RankIdentity("e", 0, 1, 1, "m"), get_layout("mla_latent")
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.attn's KV cache has shape"):
+        local_cache(caches, identity, attention_geometry(cfg), (), {}, layout=layout)
