@@ -19,13 +19,13 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
     MLAAttentionSpec,
     compute_layout_strides,
-    create_kv_cache_views,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from testbed.handshake_ranks import rank_meta
 from testbed.live_servers import random_model
 from testbed.vllm_harness import make_kv_cache_config, make_vllm_config
+from testbed.worker_processes import vllm_kv_caches
 from vllm_qaic_connector.connector import QAICConnector
 from vllm_qaic_connector.kv.kv_groups import attention_geometry
 from vllm_qaic_connector.layout import get_layout
@@ -51,10 +51,9 @@ def mla_config(block_size: int, dtype: torch.dtype, num_blocks: int = 8) -> KVCa
 
 
 def vllm_cache(cfg: KVCacheConfig) -> torch.Tensor:
-    """The layer's cache as vLLM's `create_kv_cache_views` builds it, filled with NaN."""
-    [where], [group] = cfg.kv_cache_tensors, cfg.kv_cache_groups
-    raw = torch.full((where.size,), -1, dtype=torch.int8)  # every byte 0xff: NaN
-    [view] = create_kv_cache_views(raw, group.kv_cache_spec, cfg.num_blocks, ORDER, where)
+    """The layer's cache as vLLM builds it (`create_kv_cache_views`), random values."""
+    gen = torch.Generator().manual_seed(0)
+    [view] = vllm_kv_caches("mla_latent", attention_geometry(cfg), 1, cfg.num_blocks, gen)
     return view
 
 
