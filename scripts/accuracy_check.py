@@ -22,9 +22,16 @@ from testbed import copy_task
 from testbed.llm_d_sidecar import sidecar_completion
 
 
-def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple[str, str | None]]:
+def build_prompts(
+    task: str, n: int, model_dir: str | None = None, kept: str | None = None
+) -> list[tuple[str, str | None]]:
+    """``n`` prompts and their expected answers (None: any). ``kept``: a file that holds the
+    text prompts a run drew before (the same seed: a longer list starts with a shorter one),
+    so that a harness run loads the model's tokenizer (4-5 s here) once, not per step."""
     if task == "copy":
         return [(p, a) for p, a in copy_task.heldout_prompts(n)]
+    if kept and Path(kept).exists() and len(drawn := json.loads(Path(kept).read_text())) >= n:
+        return [(text, None) for text in drawn[:n]]
     # Any other model: text decoded from random non-special token ids of its own tokenizer,
     # so every prompt is made of tokens the model knows, whatever the tokenizer.
     from transformers import AutoTokenizer
@@ -33,9 +40,10 @@ def build_prompts(task: str, n: int, model_dir: str | None = None) -> list[tuple
     special = set(tok.all_special_ids)
     ids = [i for i in range(len(tok)) if i not in special]
     rng = random.Random(1234)
-    return [
-        (tok.decode([rng.choice(ids) for _ in range(rng.randint(60, 300))]), None) for _ in range(n)
-    ]
+    texts = [tok.decode([rng.choice(ids) for _ in range(rng.randint(60, 300))]) for _ in range(n)]
+    if kept:
+        Path(kept).write_text(json.dumps(texts))
+    return [(text, None) for text in texts]
 
 
 def decode_loads(urls: list[str]) -> tuple[float, float]:
@@ -63,7 +71,8 @@ def loaded_since(urls: list[str], before: tuple[float, float], wait_s: float = 5
 async def run(args: argparse.Namespace) -> None:
     gaps = args.gaps or []
     count = len(gaps) if gaps else args.num_prompts
-    prompts = build_prompts(args.task, args.offset + count, args.model_dir)[args.offset :]
+    drawn = build_prompts(args.task, args.offset + count, args.model_dir, args.prompts_file)
+    prompts = drawn[args.offset :]
     max_tokens = copy_task.answer_max_tokens() if args.task == "copy" else 16
     # One at a time after each gap (the first right away), or CONCURRENCY at a time.
     sem = asyncio.Semaphore(1 if gaps else args.concurrency)
@@ -281,6 +290,7 @@ def main() -> int:
     r.add_argument("--model", required=True)
     r.add_argument("--task", choices=["copy", "text"], required=True)
     r.add_argument("--model-dir", default=None, help="tokenizer for text prompts")
+    r.add_argument("--prompts-file", default=None, help="text prompts drawn before, kept")
     r.add_argument("--num-prompts", type=int, default=64)
     r.add_argument("--concurrency", type=int, default=8)
     r.add_argument("--timeout", type=float, default=900)

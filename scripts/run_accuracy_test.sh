@@ -252,7 +252,7 @@ done
 
 run_prompts() {  # label url out num_prompts [extra args]
   "$PY" -m scripts.accuracy_check run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
-    --num-prompts "$4" --concurrency "$CONCURRENCY" --out "$3" "${@:5}"
+    --num-prompts "$4" --concurrency "$CONCURRENCY" --out "$3" --prompts-file "$RUN_DIR/prompts.json" "${@:5}"
 }
 DECODE_METRICS_URLS=(); for port in "${D_PORTS[@]}"; do DECODE_METRICS_URLS+=("http://127.0.0.1:$port"); done
 # First, as a user meets a fresh pair: single requests with idle time before each (the

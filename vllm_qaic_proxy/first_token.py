@@ -6,7 +6,7 @@ transfer and the decode's first step leave the time to first token, and the deco
 that token's KV instead of recomputing the prompt's last one.
 
 Only for what a decode can continue exactly: a ``/v1/completions`` request whose options do
-not look back over the output (stop strings, penalties, grammars, logprobs...) and a prefill
+not look back over the output (stop strings, penalties, grammars...) and a prefill
 whose ticket names the tokens it staged (this connector's; vLLM's NixlConnector loads the
 decode's whole prompt, so it keeps the decode's own first token), all of the prompt's (a
 model with Mamba layers stages one short, and its decode steps the last prompt token itself:
@@ -18,6 +18,10 @@ whose bytes are not whole UTF-8 text is held back, or shown as U+FFFD, until lat
 complete it, and a decode primed with a prompt that ends in such a token restarts its text
 elsewhere. So a prefill's token whose text is empty or holds U+FFFD is not the client's: the
 decode computes its own first token, as the aggregated server would (never a guess).
+
+Logprobs asked of the answer come from both legs, the first token's from the prefill: vLLM
+alone computes that token inside the prompt's pass, as the prefill does, where a decode
+computes it over loaded KV in another kernel (an MLA model's parted by up to 0.008).
 Likewise where the answer's randomness or spacing carries state across the first token (a
 seeded sampler, no spaces between special tokens).
 """
@@ -35,7 +39,7 @@ from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefil
 # request is either here or known to continue exactly (tests/unit/test_first_token_text.py
 # fails on a field vLLM adds until it is sorted).
 SPANNING = (
-    "echo", "logprobs", "logprob_token_ids", "prompt_logprobs", "suffix", "stop", "bad_words",
+    "echo", "logprob_token_ids", "prompt_logprobs", "suffix", "stop", "bad_words",
     "min_tokens", "frequency_penalty", "presence_penalty", "repetition_detection",
     "thinking_token_budget", "response_format", "structured_outputs", "use_beam_search",
     "prompt_embeds", "mm_payload", "return_mm_kwargs", "ec_transfer_params",
@@ -45,6 +49,7 @@ SPANNING = (
 # Where 0 asks for something (the sampled token's logprob alone); for the rest of SPANNING
 # 0, False, "" and empty lists and objects are vLLM's "off".
 ZERO_ASKS = ("logprobs", "prompt_logprobs", "top_logprobs")
+MERGED = ("logprobs",)  # asked of the prefill's token too; the answer joins both legs' lists
 UNSURE_TEXT = "\ufffd"  # the detokenizer's mark for bytes that are not (yet) whole text
 DEFAULT_MAX_TOKENS = 16  # vLLM's, for /v1/completions
 # The fields of vLLM's streamed completion chunks, besides choices (and usage, at the end).
@@ -115,6 +120,17 @@ class FirstToken:
             shown.update(prompt_token_ids=prompt_ids, token_ids=ids)
         return cls(answer, text, prompt_ids, ids, finished, limit)
 
+    @property
+    def logprobs(self) -> Any:
+        return self.answer["choices"][0].get("logprobs")
+
+    @property
+    def shift(self) -> int:
+        """How far the decode's text offsets move: vLLM counts them from the answer's start,
+        token by token, and the decode's answer starts after the first token."""
+        first = self.logprobs
+        return first["text_offset"][-1] + len(first["tokens"][-1]) if first else 0
+
     def decode_body(self, body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         """The decode leg: the prompt and the first token as token ids, one token fewer."""
         out = {k: v for k, v in body.items() if k != "truncate_prompt_tokens"}
@@ -130,6 +146,8 @@ class FirstToken:
         """The decode's whole answer, with the first token put back in front."""
         choice = answer["choices"][0]
         choice["text"] = self.text + (choice.get("text") or "")
+        if self.logprobs and (rest := shifted(choice.get("logprobs"), self.shift)):
+            choice["logprobs"] = {k: v + rest[k] for k, v in self.logprobs.items()}
         if choice.get("token_ids") is not None:  # asked for: the prompt is the prefill's
             choice.update(
                 prompt_token_ids=self.prompt_token_ids,
@@ -145,7 +163,7 @@ class FirstToken:
         head = {k: self.answer[k] for k in STREAM_HEAD if k in self.answer}
         ended = self.answer["choices"][0] if self.finished else {}
         choice = {
-            "index": 0, "text": self.text, "logprobs": None,
+            "index": 0, "text": self.text, "logprobs": self.logprobs,
             "finish_reason": ended.get("finish_reason"), "stop_reason": ended.get("stop_reason"),
             "prompt_token_ids": None, "token_ids": None,
         }  # fmt: skip
@@ -183,10 +201,22 @@ def fix_usage(usage: Any) -> Any:
     return {**usage, "prompt_tokens": prompt, "completion_tokens": completion}
 
 
-def fix_event(line: bytes) -> bytes:
-    """One line of the decode's stream, its usage (if any) recounted."""
-    if not line.startswith(b"data: {") or not (b'"usage":{' in line or b'"usage": {' in line):
+def shifted(logprobs: Any, shift: int) -> Any:
+    """Completion ``logprobs`` with their text offsets ``shift`` characters on."""
+    if not isinstance(logprobs, dict) or not shift:
+        return logprobs
+    return {**logprobs, "text_offset": [o + shift for o in logprobs["text_offset"]]}
+
+
+def fix_event(line: bytes, shift: int = 0) -> bytes:
+    """One line of the decode's stream, its usage (if any) recounted and its logprobs' text
+    offsets ``shift`` characters on (past the first token)."""
+    usage = b'"usage":{' in line or b'"usage": {' in line
+    if not line.startswith(b"data: {") or not (usage or (shift and b'"text_offset"' in line)):
         return line
     payload = json.loads(line[6:])
-    payload["usage"] = fix_usage(payload.get("usage"))
+    if usage:
+        payload["usage"] = fix_usage(payload.get("usage"))
+    for choice in payload.get("choices") or ():
+        choice["logprobs"] = shifted(choice.get("logprobs"), shift)
     return f"data: {json.dumps(payload)}\n".encode()

@@ -233,7 +233,7 @@ class Legs:
             if first is not None:  # any usage after it (asked, or forced) counts it as answer
                 await out.write(first.events(body.get("stream_options"), final_usage=False))
                 async for line in resp.content:
-                    await out.write(first_token.fix_event(line))
+                    await out.write(first_token.fix_event(line, first.shift))
             else:
                 async for chunk in resp.content.iter_any():
                     await out.write(chunk)

@@ -115,8 +115,9 @@ class Proxy:
             if alone is None:
                 started = time.monotonic()
                 to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
-                if first_from_prefill:
-                    to_prefill["return_token_ids"] = True
+                if first_from_prefill:  # its token ids, and what else the answer shows of it
+                    asked = {k: body[k] for k in first_token.MERGED if k in body}
+                    to_prefill.update(asked, return_token_ids=True)
                 try:
                     prefilled = await self.legs.failover(
                         self.router.prefills,

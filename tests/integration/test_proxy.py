@@ -1036,12 +1036,12 @@ async def test_an_answer_ending_at_the_prefills_token_needs_no_decode(
     [
         ("/v1/chat/completions", {}),
         ("/v1/completions", {"stop": ["\n"]}),
-        ("/v1/completions", {"logprobs": 2}),
+        ("/v1/completions", {"logprobs": 2, "logprob_token_ids": [5]}),
         ("/v1/completions", {"presence_penalty": 0.5}),
         ("/v1/completions", {"n": 3, "temperature": 0.9}),
         ("/v1/chat/completions", {"n": 2, "temperature": 0.9}),
     ],
-    ids=["chat", "stop", "logprobs", "penalty", "n=3", "chat-n=2"],
+    ids=["chat", "stop", "logprob-token-ids", "penalty", "n=3", "chat-n=2"],
 )
 async def test_options_spanning_the_first_token_keep_the_decodes_own(
     prefill: Prefill, decode: Decode, path: str, extra: dict[str, Any]

@@ -13,6 +13,7 @@ the three servers: aggregated, prefill (one token) and decode (the rest), and th
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from typing import Any
@@ -25,7 +26,7 @@ from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from scripts.make_random_model import SPECIAL, train_tokenizer
 from vllm_qaic_connector.protocol.wire import prompt_hash
-from vllm_qaic_proxy.first_token import FirstToken
+from vllm_qaic_proxy.first_token import FirstToken, fix_event
 
 EOS = SPECIAL.index("<eos>")
 
@@ -106,6 +107,55 @@ def test_the_joined_text_is_the_aggregated_text_or_the_decode_answers_alone(toke
     assert joined > 100 and naive_wrong > 10  # both paths ran, and the rule was needed
 
 
+def vllm_logprobs(tokenizer: Any, tokens: list[int], first_offset: int = 0) -> dict[str, Any]:
+    """A completion's logprobs for ``tokens`` as vLLM's API server writes them (its own
+    ``_create_completion_logprobs``, 3 top logprobs), each step's seeded from its token."""
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.logprobs import Logprob
+
+    server = object.__new__(OpenAIServingCompletion)  # the method reads one setting
+    server.return_tokens_as_token_ids = False
+    steps = []
+    for t in tokens:
+        rng = random.Random(t)
+        steps.append({t: Logprob(-rng.random()), **{o: Logprob(-1 - rng.random())
+                      for o in rng.sample(range(3, len(tokenizer)), 3) if o != t}})  # fmt: skip
+    made = server._create_completion_logprobs(tokens, steps, 3, tokenizer,
+                                               initial_text_offset=first_offset)  # fmt: skip
+    return made.model_dump()
+
+
+def test_logprobs_joined_from_both_legs_are_vllm_s_for_the_whole_answer(tokenizer):
+    """The first token's logprobs are the prefill's (vLLM alone computes them in the prompt's
+    pass too), the rest the decode's, whose text offsets count from its own first token:
+    joined whole and streamed, the lists are the aggregated server's, offsets included."""
+    rng = random.Random(1)
+    for _ in range(200):
+        prompt = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(1, 20))]
+        tokens = [rng.randrange(3, len(tokenizer)) for _ in range(rng.randint(2, 6))]
+        text, ids, finish = serve(tokenizer, prompt, tokens[:1])
+        choice = {"index": 0, "text": text, "finish_reason": finish, "prompt_token_ids": prompt,
+                  "token_ids": ids, "logprobs": vllm_logprobs(tokenizer, ids)}  # fmt: skip
+        prefilled = {"id": "cmpl-p", "choices": [choice], "kv_transfer_params": ticket(prompt)}
+        body = {"prompt": "...", "max_tokens": len(tokens), "logprobs": 3}
+        first = FirstToken.of(prefilled, body)
+        if first is None:
+            continue  # the decode's own first token (its text is not whole yet)
+        whole = vllm_logprobs(tokenizer, tokens)
+        rest = vllm_logprobs(tokenizer, tokens[1:])
+        decoded = {"choices": [{"text": "", "logprobs": rest}], "usage": None}
+        assert first.joined(decoded)["choices"][0]["logprobs"] == whole
+        # Streamed: the decode's events count on from its own first token, one by one.
+        head = json.loads(first.events(None)[6:])["choices"][0]["logprobs"]
+        streamed, offset = [head], 0
+        for t in tokens[1:]:
+            step = vllm_logprobs(tokenizer, [t], offset)
+            offset = step["text_offset"][-1] + len(step["tokens"][-1])
+            line = b"data: " + json.dumps({"choices": [{"logprobs": step}]}).encode()
+            streamed.append(json.loads(fix_event(line, first.shift)[6:])["choices"][0]["logprobs"])
+        assert {k: [v for s in streamed for v in s[k]] for k in whole} == whole
+
+
 @pytest.mark.parametrize(
     "extra",
     [{"seed": 7, "temperature": 0.8}, {"spaces_between_special_tokens": False},
@@ -138,8 +188,8 @@ def test_every_field_of_vllm_s_request_is_sorted():
     decode, not seeing the first token as output, ended its answer one token late."""
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-    from vllm_qaic_proxy.first_token import SPANNING
+    from vllm_qaic_proxy.first_token import MERGED, SPANNING
 
     fields = set(CompletionRequest.model_fields)
-    assert not set(SPANNING) & CONTINUES
-    assert fields - CONTINUES - set(SPANNING) == set(), "sort these fields"
+    assert not set(SPANNING) & CONTINUES and not set(MERGED) & (CONTINUES | set(SPANNING))
+    assert fields - CONTINUES - set(SPANNING) - set(MERGED) == set(), "sort these fields"

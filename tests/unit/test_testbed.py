@@ -80,3 +80,18 @@ def test_the_async_scheduling_launcher_gives_the_engine_vllm_s_batch_queue(how, 
     )  # fmt: skip
     result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
     assert result == [f"RESULT {expected}"], out.stderr[-2000:]
+
+
+def test_the_harness_draws_its_text_prompts_once_per_run(tmp_path) -> None:
+    """Each step of a run asks for a prefix of one seeded list: the kept draw answers the
+    later steps (no tokenizer load) with exactly the prompts a fresh draw gives."""
+    from scripts.accuracy_check import build_prompts
+
+    model, kept = str(MODEL_DIR), tmp_path / "prompts.json"
+    fresh = build_prompts("text", 5, model)
+    assert build_prompts("text", 3, model) == fresh[:3]  # a shorter draw is a prefix
+    assert build_prompts("text", 4, model, str(kept)) == fresh[:4] and kept.exists()
+    kept.write_text(json.dumps(["kept", "prompts", "only", "here"]))
+    assert [p for p, _ in build_prompts("text", 2, model, str(kept))] == ["kept", "prompts"]
+    assert build_prompts("text", 5, model, str(kept)) == fresh  # more than kept: drawn again
+    assert len(json.loads(kept.read_text())) == 5
