@@ -9,7 +9,7 @@ float32 rounding: two servers that compute the same KV agree token for token, an
 computes other KV does not.
 
     python scripts/make_random_model.py OUT_DIR
-        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2|llama_8b_kv]
+        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2|deepseek_v3_mtp|llama_8b_kv]
         [--tokenizer byte_level|sentencepiece]
 
 - llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
@@ -22,6 +22,8 @@ computes other KV does not.
   on a narrow model.
 - deepseek_v2: multi-head latent attention (MLA), dense: vLLM's CPU_MLA backend (its
   decode kernel takes latents of 512 + 64 values, in 16-token blocks).
+- deepseek_v3_mtp: DeepSeek-V3's MLA with its multi-token-prediction layer (the drafter of
+  vLLM's `mtp` speculative method, an MLA layer of its own).
 
 Tokenizers, the two families models ship:
 - byte_level: GPT-2's, as Llama 3, Qwen and GPT-NeoX models have it.
@@ -43,6 +45,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GraniteMoeHybridConfig,
@@ -230,9 +234,36 @@ def deepseek_v2(vocab: int) -> PreTrainedModel:
     return DeepseekV2ForCausalLM(cfg)
 
 
+def deepseek_v3_mtp(vocab: int) -> PreTrainedModel:
+    """DeepSeek-V3's layout: 3 MLA layers and, as ``model.layers.3``, one multi-token
+    prediction layer (``num_nextn_predict_layers``: an MLA decoder layer beside the norms of
+    the token's embedding and the last hidden state, their projection and a head), which
+    vLLM runs as the drafter of its ``mtp`` speculative method. Dense, as deepseek_v2."""
+    sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
+    latent = dict(kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64)
+    heads = dict(num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=32)
+    dense = dict(first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2)
+    cfg = DeepseekV3Config(
+        **sizes, **latent, **heads, **dense, num_hidden_layers=4, moe_intermediate_size=128,
+        architectures=["DeepseekV3ForCausalLM"],
+    )  # fmt: skip
+    model = DeepseekV3ForCausalLM(cfg)
+    hidden, mtp = cfg.hidden_size, model.model.layers[3]
+    mtp.enorm, mtp.hnorm = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
+    mtp.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    mtp.embed_tokens = torch.nn.Embedding(vocab, hidden)
+    mtp.embed_tokens.weight.data.copy_(model.model.embed_tokens.weight)
+    mtp.shared_head = torch.nn.Module()
+    mtp.shared_head.norm = torch.nn.RMSNorm(hidden)
+    mtp.shared_head.head = torch.nn.Linear(hidden, vocab, bias=False)
+    mtp.shared_head.head.weight.data.copy_(model.lm_head.weight * SHARPEN)
+    model.config.num_hidden_layers, model.config.num_nextn_predict_layers = 3, 1
+    return model
+
+
 ARCHS = {
     "llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid,
-    "deepseek_v2": deepseek_v2, "llama_8b_kv": llama_8b_kv,
+    "deepseek_v2": deepseek_v2, "deepseek_v3_mtp": deepseek_v3_mtp, "llama_8b_kv": llama_8b_kv,
 }  # fmt: skip
 
 

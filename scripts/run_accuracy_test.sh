@@ -43,6 +43,9 @@ PREFILL_KV_BLOCKS=${PREFILL_KV_BLOCKS:-}
 DECODE_KV_BLOCKS=${DECODE_KV_BLOCKS:-}
 # The decode's --speculative-config (JSON), e.g. {"method":"ngram","num_speculative_tokens":3}.
 DECODE_SPECULATIVE_CONFIG=${DECODE_SPECULATIVE_CONFIG:-}
+# The prefill's, e.g. the same: a drafter with KV of its own (EAGLE, MTP) runs on both or is
+# refused (the decode then recomputes every prompt and the harness fails).
+PREFILL_SPECULATIVE_CONFIG=${PREFILL_SPECULATIVE_CONFIG:-}
 ENFORCE_EAGER=${ENFORCE_EAGER:-1}
 HMA=${HMA:-1}  # 0: vLLM's hybrid KV cache manager off (full-length KV for every layer)
 PREFIX_CACHING=${PREFIX_CACHING:-1}  # 0: --no-enable-prefix-caching (Mamba models on CPU need it)
@@ -180,6 +183,7 @@ echo "[harness] run $RUN_ID: model=$(basename "$MODEL") prompts=$NUM_PROMPTS con
 PREFILL_ARGS=()
 [ -n "$PREFILL_MAX_NUM_BATCHED_TOKENS" ] && PREFILL_ARGS=(--max-num-batched-tokens "$PREFILL_MAX_NUM_BATCHED_TOKENS" --enable-chunked-prefill)
 [ -n "$PREFILL_KV_BLOCKS" ] && PREFILL_ARGS+=(--num-gpu-blocks-override "$PREFILL_KV_BLOCKS" --no-scheduler-reserve-full-isl)
+[ -n "$PREFILL_SPECULATIVE_CONFIG" ] && PREFILL_ARGS+=(--speculative-config "$PREFILL_SPECULATIVE_CONFIG")
 # Every prefill on core 0, every decode on core 1 (TP 2 ranks use both).
 P_CORES=0; [ "$PREFILLER_TP_SIZE" = 2 ] && P_CORES="0|1"
 # QAIC: the decode program's KV dtype is fixed when it is compiled, so the prefill (and the

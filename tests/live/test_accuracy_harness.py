@@ -271,38 +271,49 @@ def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
     assert int(loads.group(1)) == int(loads.group(2)) - 9  # one token short per prompt
 
 
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+
+
 @pytest.mark.parametrize(
-    "env",
-    [{"KV_TRANSPORT": "nixl", "PREFILLER_TP_SIZE": "2"}, {"KV_TRANSPORT": "shm"}],
-    ids=["nixl-prefill-tp2-to-tp1", "shm-direct-reads"],
-)
-def test_a_multi_head_latent_attention_model_hands_its_latent_off(tmp_path_factory, env):
+    ("arch", "env"),
+    [("deepseek_v2", {"KV_TRANSPORT": "nixl", "PREFILLER_TP_SIZE": "2"}),
+     ("deepseek_v3_mtp", {"KV_TRANSPORT": "shm", "PREFILL_SPECULATIVE_CONFIG": MTP,
+                          "DECODE_SPECULATIVE_CONFIG": MTP})],
+    ids=["nixl-prefill-tp2-to-tp1", "shm-direct-reads-mtp-drafter"],
+)  # fmt: skip
+def test_a_multi_head_latent_attention_model_hands_its_latent_off(tmp_path_factory, arch, env):
     """A DeepSeek-V2-style random model (MLA, a 512 + 64 latent per token, its own
     byte-level tokenizer) on vLLM's CPU_MLA backend (16-token blocks, no prefix cache),
     float32. Over NIXL from a TP 2 prefill: the latent is the same on both ranks, the
     decode reads it once (bytes per loaded token: one latent per layer) and both ranks'
-    staging is freed. Over shm the decode reads the prefill's blocks whole (direct reads:
-    at most a block's tail more). A decode of TP 2 runs in test_worker_ranks. One request at
+    staging is freed. Over shm, DeepSeek-V3's layout with its multi-token-prediction layer,
+    both engines drafting with it (vLLM's ``mtp`` method): the drafter's MLA layer is handed
+    off with the model's, and the decode reads the prefill's blocks whole (direct reads: at
+    most a block's tail more). A decode of TP 2 runs in test_worker_ranks. One request at
     a time: vLLM alone answers this model's prompts otherwise when other requests share
     their batches (measured, aggregated: 3 of these 9 answers differ between CONCURRENCY=1
     and 4, the same 3 in two runs), so only unbatched answers compare token for token."""
-    model = random_model(tmp_path_factory, "deepseek_v2")
+    model = random_model(tmp_path_factory, arch)
     rc, out = harness_leaves_nothing(
         MODEL=str(model), DTYPE="float32", NUM_PROMPTS="6", CONCURRENCY="1", LONE_GAPS="0",
         LONE_FIRST_MAX_S="40", **env,  # the first request on a fresh TP 2 vLLM: 14 s
     )  # fmt: skip
-    assert "mla_latent layout, 3 layers, block 16" in out
+    cfg = json.loads((model / "config.json").read_text())
+    layers = cfg["num_hidden_layers"] + cfg.get("num_nextn_predict_layers", 0)
+    for engine in ("prefill0", "decode0"):
+        assert f"{engine}: mla_latent layout, {layers} layers, block 16" in out
     assert rc == 0 and float(last_line(out).group(3)) == 100.0
     loads = re.search(
         r"loaded_requests=(\d+) .*load_failures=(\d+) direct_reads=(\d+).*"
         r"bytes_per_loaded_token=([\d.]+)", out,
     )  # fmt: skip
     assert loads, out[-2000:]
-    cfg = json.loads((model / "config.json").read_text())
-    per_token = cfg["num_hidden_layers"] * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+    per_token = layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
     loaded, failed, direct, moved = (float(g) for g in loads.groups())
     assert (loaded, failed) == (7, 0)  # and the lone request
     if env["KV_TRANSPORT"] == "nixl":
         assert (direct, moved) == (0, per_token)  # one rank's copy, never both
     else:  # whole 16-token blocks of 288+ token prompts
         assert direct == 7 and per_token <= moved < per_token * (1 + 16 / 288)
+        drafted = re.search(r"speculative tokens accepted=\d+ of drafted=(\d+)", out)
+        assert drafted and int(drafted.group(1)) > 0, "the decode drafted nothing"
