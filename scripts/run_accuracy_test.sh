@@ -100,7 +100,10 @@ cleanup() {
   local rc=$?
   trap - EXIT INT TERM
   signal_servers TERM
-  for _ in $(seq 1 30); do
+  # 15 s to finish gracefully; 3 s when interrupted (vLLM acts on SIGTERM only once its
+  # engine has started: before, it sat out the whole grace period).
+  local grace=30; [ "$rc" = 130 ] && grace=6
+  for _ in $(seq 1 "$grace"); do
     alive=0; for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break; sleep 0.5
   done
@@ -239,8 +242,12 @@ elif [ "$ROUTER" = proxy ]; then
   PIDS+=($!)
 fi
 
+# Bash runs a trap only once its foreground command ends: a SIGINT or SIGTERM sent to this
+# script alone (a CI runner's cancel, `kill`) waited for every server to be ready before it
+# stopped them. A command run in the background and waited for is cut short by the trap.
+interruptible() { "$@" & wait $!; }
 wait_ready() {  # name port: the launcher's readiness wait; fails when any server of the run exits
-  "$PY" -m testbed.serve wait "$1" "$2" "$STARTUP_TIMEOUT" "${PIDS[@]}" || exit 1
+  interruptible "$PY" -m testbed.serve wait "$1" "$2" "$STARTUP_TIMEOUT" "${PIDS[@]}" || exit 1
 }
 for i in "${!P_PORTS[@]}"; do wait_ready "prefill$i" "${P_PORTS[$i]}"; done
 for j in "${!D_PORTS[@]}"; do wait_ready "decode$j" "${D_PORTS[$j]}"; done
@@ -255,7 +262,7 @@ for log in "$RUN_DIR"/prefill*.log "$RUN_DIR"/decode*.log; do
 done
 
 run_prompts() {  # label url out num_prompts [extra args]
-  "$PY" -m scripts.accuracy_check run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
+  interruptible "$PY" -m scripts.accuracy_check run --label "$1" --url "$2" --model model --task "$TASK" --model-dir "$MODEL" \
     --num-prompts "$4" --concurrency "$CONCURRENCY" --out "$3" --prompts-file "$RUN_DIR/prompts.json" "${@:5}"
 }
 DECODE_METRICS_URLS=(); for port in "${D_PORTS[@]}"; do DECODE_METRICS_URLS+=("http://127.0.0.1:$port"); done

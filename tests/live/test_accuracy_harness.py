@@ -163,7 +163,7 @@ def test_interrupted_run_stops_everything():
     for line in proc.stdout:  # setup lines first, then the run's
         if line.startswith("[harness] run"):
             break
-    time.sleep(20)  # servers are loading the model
+    time.sleep(10)  # servers are loading the model
     proc.send_signal(signal.SIGINT)
     out = proc.communicate(timeout=120)[0]
     assert proc.returncode != 0, out
