@@ -5,10 +5,11 @@ ids, include_stop_str_in_output, ignore_eos, skip_special_tokens, seeded samplin
 greedy, streams with usage, token-id prompts, prompt lists), sends each through the proxy and
 to the prefill alone (vLLM aggregated, salted away from the handoffs' cached blocks), and
 compares whole answers: text, token ids, logprobs, finish reasons, usage, a refusal's status
-and body; not ids or clocks. A second fleet, with a generation-config token cap and no prefix
-caching, runs the same.
+and body; not ids or clocks. A second fleet, with a generation-config token cap, no prefix
+caching and speculative decoding (n-gram drafts by default), runs the same.
 
     python -m testbed.differential --requests 500 --seed 1   # make differential
+    python -m testbed.differential --model DIR --speculative-config JSON --requests 30
 
 Prints each difference (the request, both answers) and exits non-zero on any.
 """
@@ -41,6 +42,9 @@ from testbed.proxy_clients import CHAT_TEMPLATE, _answer, _api_answer
 
 Request = tuple[str, dict[str, Any]]
 CAP = 5  # the capped fleet's --override-generation-config max_new_tokens
+# The capped fleet's --speculative-config: drafts with no KV of their own, any model.
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+                    "prompt_lookup_min": 2})  # fmt: skip
 # Floats (logprobs) may differ in their last bits: a handoff's decode computes its first
 # step over loaded KV where vLLM alone computes it inside the prompt's pass (float32: ~1e-7
 # apart on a random model; exact on the shipped one). Every token and text stays exact.
@@ -51,9 +55,15 @@ def maybe(rng: random.Random, p: float = 0.5) -> bool:
     return rng.random() < p
 
 
-def draw(rng: random.Random, prompt: str, answer: str, ids: list[int]) -> Request:
+def draw(
+    rng: random.Random, prompt: str, answer: str, ids: list[int], seeded: bool = True
+) -> Request:
     """One request over the space clients choose from; ``answer`` is the prompt's expected
-    answer (stop strings that do occur come from it), ``ids`` its token ids."""
+    answer (stop strings that do occur come from it), ``ids`` its token ids. ``seeded``:
+    seeded sampling among them (not under speculative decoding, where vLLM alone answers a
+    seeded request otherwise once its prefix cache holds part of the prompt: measured with
+    n-gram drafts, 128 of 150 tokens cached, the same server; a handoff's decode is such a
+    cache)."""
     words = answer.split()
     body: dict[str, Any] = {"model": "model"}
     path = rng.choice(["/v1/completions"] * 3 + ["/v1/chat/completions"] * 2 + ["/v1/responses"])
@@ -97,7 +107,7 @@ def draw(rng: random.Random, prompt: str, answer: str, ids: list[int]) -> Reques
     # Seeded sampling, or several greedy choices. Not both: vLLM 0.32 on CPU kills its
     # engine when a seeded request's sampled token is discarded (a sibling's partial
     # prefill: "CPU Generator does not use offset" in _bookkeeping_sync), vLLM alone too.
-    if maybe(rng, 0.3):
+    if seeded and maybe(rng, 0.3):
         body["temperature"], body["seed"] = rng.choice([0.5, 1.0]), rng.randrange(1000)
     else:
         body["temperature"] = 0.0
@@ -114,10 +124,12 @@ def draw(rng: random.Random, prompt: str, answer: str, ids: list[int]) -> Reques
     return path, body
 
 
-def requests_of(rng: random.Random, n: int, url: str, label: str) -> Iterator[Request]:
+def requests_of(
+    rng: random.Random, n: int, url: str, label: str, seeded: bool = True
+) -> Iterator[Request]:
     """``n`` requests, each on a fresh prompt (no prefix-cache hit between them)."""
     for prompt, answer in copy_prompts(n, f"{label}-{rng.randrange(1 << 30)}"):
-        yield draw(rng, prompt, answer, token_ids(url, prompt))
+        yield draw(rng, prompt, answer, token_ids(url, prompt), seeded)
 
 
 def answer(url: str, path: str, body: dict[str, Any]) -> Any:
@@ -203,20 +215,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     other = "another model (scripts/make_random_model.py), served in float32"
     p.add_argument("--model", type=Path, default=MODEL, help=other)
+    spec = "the capped fleet's --speculative-config (JSON; none: off), vLLM alone's too"
+    p.add_argument("--speculative-config", default=NGRAM, help=spec)
     a = p.parse_args(argv)
-    return 1 if run_differential(a.requests, a.seed, print, a.model) else 0
+    speculative = None if a.speculative_config == "none" else a.speculative_config
+    found = run_differential(a.requests, a.seed, print, a.model, speculative)
+    return 1 if found else 0
 
 
 def run_differential(
-    n: int, seed: int, say: Callable[[str], None], model: Path = MODEL
-) -> list[dict[str, Any]]:
-    """Both fleets (vLLM's defaults; a generation-config cap), ``n`` requests each."""
+    n: int, seed: int, say: Callable[[str], None], model: Path = MODEL,
+    speculative: str | None = NGRAM,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Both fleets (vLLM's defaults; a generation-config cap, ``speculative`` decoding),
+    ``n`` requests each."""
     chat = ["--chat-template", CHAT_TEMPLATE]  # the model has none: the text as it is
     if model != MODEL:  # random weights: float32, as the harness serves them (no near-ties)
         chat += ["--dtype", "float32"]
     # The capped fleet also runs without prefix caching (n > 1 siblings then share no block).
     cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP}),
            "--no-enable-prefix-caching"]  # fmt: skip
+    if speculative:
+        cap += ["--speculative-config", speculative]
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
         fleets = {"plain": fleet(run, "plain", ("0", "1"), chat, model),
@@ -227,7 +247,9 @@ def run_differential(
             wait_all_ready(proxy)
             rng = random.Random(f"{seed}-{name}")
             say(f"[differential] fleet {name}: {n} requests, seed {seed}")
-            found = compare(proxy, prefill, requests_of(rng, n, prefill.url, name), say)
+            seeded = name == "plain" or not speculative
+            reqs = requests_of(rng, n, prefill.url, name, seeded)
+            found = compare(proxy, prefill, reqs, say)
             say(f"[differential] fleet {name}: {n} compared, {len(found)} different")
             differences += found
         run.keep |= bool(differences)  # the engines' logs say why (a crash: its stack)

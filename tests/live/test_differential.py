@@ -1,5 +1,6 @@
 """The proxy against vLLM itself over generated requests (testbed/differential.py): the
-short form of `make differential` (2 x 30 requests: CI time), a new seed each day
+short form of `make differential` (2 x 30 requests: CI time; the second fleet drafts n-gram
+speculative tokens), a new seed each day
 (printed: a difference found is found again with ``python -m testbed.differential --seed S``)."""
 
 from __future__ import annotations
