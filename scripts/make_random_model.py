@@ -218,20 +218,24 @@ def llama_8b_kv(vocab: int) -> PreTrainedModel:
     return model.to(torch.bfloat16)
 
 
-def deepseek_v2(vocab: int) -> PreTrainedModel:
-    """Multi-head latent attention (MLA): each layer caches one compressed latent (512) and
-    a shared RoPE key (64) per token, not per-head K and V (576: the size vLLM's CPU MLA
-    decode kernel takes). Dense MLPs (vLLM CPU's MoE router asserts DeepSeek's
-    ``topk_group``)."""
+def mla_config(config: type, vocab: int, layers: int) -> Any:
+    """A DeepSeek config of ``layers`` dense MLA layers (vLLM CPU's MoE router asserts
+    DeepSeek's ``topk_group``): a 512 latent and a 64 RoPE key per token (576, the size
+    vLLM's CPU MLA decode kernel takes)."""
     sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
     latent = dict(kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64)
     heads = dict(num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=32)
-    dense = dict(first_k_dense_replace=3, n_routed_experts=4, num_experts_per_tok=2)
-    cfg = DeepseekV2Config(
-        **sizes, **latent, **heads, **dense, num_hidden_layers=3, moe_intermediate_size=128,
-        architectures=["DeepseekV2ForCausalLM"],
+    dense = dict(first_k_dense_replace=layers, n_routed_experts=4, num_experts_per_tok=2)
+    return config(
+        **sizes, **latent, **heads, **dense, num_hidden_layers=layers, moe_intermediate_size=128,
+        architectures=[config.__name__.replace("Config", "ForCausalLM")],
     )  # fmt: skip
-    return DeepseekV2ForCausalLM(cfg)
+
+
+def deepseek_v2(vocab: int) -> PreTrainedModel:
+    """Multi-head latent attention (MLA): each layer caches one compressed latent (512) and
+    a shared RoPE key (64) per token, not per-head K and V. 3 dense layers."""
+    return DeepseekV2ForCausalLM(mla_config(DeepseekV2Config, vocab, 3))
 
 
 def deepseek_v3_mtp(vocab: int) -> PreTrainedModel:
@@ -239,14 +243,7 @@ def deepseek_v3_mtp(vocab: int) -> PreTrainedModel:
     prediction layer (``num_nextn_predict_layers``: an MLA decoder layer beside the norms of
     the token's embedding and the last hidden state, their projection and a head), which
     vLLM runs as the drafter of its ``mtp`` speculative method. Dense, as deepseek_v2."""
-    sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
-    latent = dict(kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64)
-    heads = dict(num_key_value_heads=4, qk_nope_head_dim=32, v_head_dim=32)
-    dense = dict(first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2)
-    cfg = DeepseekV3Config(
-        **sizes, **latent, **heads, **dense, num_hidden_layers=4, moe_intermediate_size=128,
-        architectures=["DeepseekV3ForCausalLM"],
-    )  # fmt: skip
+    cfg = mla_config(DeepseekV3Config, vocab, 4)  # the MTP layer built as a fourth
     model = DeepseekV3ForCausalLM(cfg)
     hidden, mtp = cfg.hidden_size, model.model.layers[3]
     mtp.enorm, mtp.hnorm = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
