@@ -18,12 +18,13 @@ whose bytes are not whole UTF-8 text is held back, or shown as U+FFFD, until lat
 complete it, and a decode primed with a prompt that ends in such a token restarts its text
 elsewhere. So a prefill's token whose text is empty or holds U+FFFD is not the client's: the
 decode computes its own first token, as the aggregated server would (never a guess).
+Likewise where the answer's randomness or spacing carries state across the first token (a
+seeded sampler, no spaces between special tokens).
 
 Logprobs asked of the answer come from both legs, the first token's from the prefill: vLLM
 alone computes that token inside the prompt's pass, as the prefill does, where a decode
-computes it over loaded KV in another kernel (an MLA model's parted by up to 0.008).
-Likewise where the answer's randomness or spacing carries state across the first token (a
-seeded sampler, no spaces between special tokens).
+computes it in a decode step over loaded KV (vLLM's MLA kernels put the two up to 0.17
+apart: testbed/kernel_gap.py).
 """
 
 from __future__ import annotations
@@ -218,5 +219,6 @@ def fix_event(line: bytes, shift: int = 0) -> bytes:
     if usage:
         payload["usage"] = fix_usage(payload.get("usage"))
     for choice in payload.get("choices") or ():
-        choice["logprobs"] = shifted(choice.get("logprobs"), shift)
+        if "logprobs" in choice:
+            choice["logprobs"] = shifted(choice["logprobs"], shift)
     return f"data: {json.dumps(payload)}\n".encode()
