@@ -66,9 +66,7 @@ from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import prompt_hash
 
 T = TypeVar("T")
-# The prefills' staging lease: short, so expiry tests wait little; at 2 s a CI run's handoff
-# reached its idle decode 2.0 s after staging, and its load failed (test_l counts none).
-LEASE_S = 3.0
+LEASE_S = 2.0  # the prefills' staging lease
 HOSTILE_MAX_S = 10.0  # a decode request with unusable params answers (by recompute) within
 SILENT_PEER_TIMEOUT_S = 2.0  # the decodes' handshake_timeout_s: a silent peer costs 3 of them
 EXTRA_LATENCY_MAX_S = 3.0  # hostile requests in flight may add this to good requests' median
