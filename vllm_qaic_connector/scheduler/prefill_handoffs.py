@@ -329,6 +329,10 @@ class PrefillHandoffs:
             self.pool.release(rid)
             error = out.error if spec is None and out is not None else None
             return hold, None if error is None else {"do_remote_prefill": False, "error": error}
+        # The lease runs from the hand-out: nobody could read the ticket before, and the
+        # step may have been long (vLLM compiles its logprob kernel at a server's first
+        # logprobs request: 11 s here, which spent a 2 s lease before the ticket was out).
+        self.pool.renew(rid)
         params = self._ticket(request, spec)
         if spec.direct:  # its blocks are the KV: held until the lease is released or ends
             self._direct_held[rid] = len(spec.block_ids[0])
