@@ -154,6 +154,28 @@ def test_lease_expires_without_release():
         sched.connector.shutdown()
 
 
+def test_a_ticket_s_lease_runs_from_its_hand_out_not_from_a_long_step(monkeypatch):
+    """A step that outlasts the lease between staging and the ticket's hand-out (vLLM
+    compiles its logprob kernel in a server's first logprobs request: 11 s on CPU) still
+    hands the decode a ticket with the whole lease ahead. Before, it came out expired."""
+    sched = make_scheduler("kv_producer", BS, {"lease_s": 0.5})
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    update = sched.update_from_output
+
+    def long_step(out, runner):
+        time.sleep(0.8)  # sampling, after the prompt was staged
+        return update(out, runner)
+
+    monkeypatch.setattr(sched, "update_from_output", long_step)
+    try:
+        sched.add_request(make_request("h1", 20, {"do_remote_decode": True}))
+        _, outputs = step(sched)
+        assert params_of(outputs, "h1")["expires_at"] > time.time() + 0.3
+        assert sched.connector.scheduler.pool.has("h1")
+    finally:
+        sched.connector.shutdown()
+
+
 # One page: the header and 16 tokens x 2 layers of KV.
 ONE_PAGE = {"staging_bytes": 16384 + HEADER_BYTES, "staging_page_bytes": 16384 + HEADER_BYTES}
 
