@@ -155,10 +155,17 @@ def make_request(
 
 
 def step(
-    sched: Scheduler, connector_output: KVConnectorOutput | None = None, token: int = 7
+    sched: Scheduler,
+    connector_output: KVConnectorOutput | None = None,
+    token: int = 7,
+    worker_frees: bool = False,
 ) -> tuple[SchedulerOutput, dict[int, Any]]:
-    """One scheduler step; every request whose prompt completes samples ``token``."""
+    """One scheduler step; every request whose prompt completes samples ``token``.
+    ``worker_frees``: the worker reports the direct handoffs released in this step as
+    finished sending, as a real worker does within the step."""
     out = sched.schedule()
+    if worker_frees and (released := meta(out).release_direct):
+        connector_output = KVConnectorOutput(finished_sending=set(released))
     req_ids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in req_ids:

@@ -52,6 +52,9 @@ class ConnectorConfig(
     # A prefill's decodes ("host:port" side channels), for routers that name none: where
     # they all take one format, the prefill stages in it (or lets them read its cache).
     decode_peers: tuple[str, ...] = ()
+    # Multi-turn reuse: a decode (kv_both) keeps a finished turn's blocks under a lease and
+    # answers with a ticket for them; a prefill given that ticket loads the history's KV.
+    reuse_turns: bool = False
     # Asked of vLLM for this engine's KV cache (it keeps its own where a backend cannot).
     kv_cache_layout: Literal["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"] | None = None
     debug_corrupt_loaded_kv: bool = False

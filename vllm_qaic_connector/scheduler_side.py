@@ -57,6 +57,11 @@ class SchedulerSide:
         assert ktc is not None
         self.engine_id = str(ktc.engine_id)
         self.is_producer = bool(ktc.is_kv_producer)
+        if cfg.reuse_turns and not self.is_producer:
+            raise ValueError(
+                "reuse_turns: a decode that keeps turns for the next prefill shares its KV "
+                "cache and hands out tickets: run it with kv_role kv_both"
+            )
         self.groups = groups_of(kv_cache_config)
         geometry = attention_geometry(kv_cache_config)
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
@@ -137,7 +142,11 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self.is_producer:
-            return self.handoffs.admit(request, params)
+            admitted = self.handoffs.admit(request, params)
+            turn = params.get("earlier_turns") if self.cfg.reuse_turns else None
+            if admitted[0] is None or not isinstance(turn, dict):
+                return admitted
+            return self.loads.claim(request, num_computed_tokens, turn)
         # A prefill that could not stage says so in the params; a router passes them on
         # as they are: a failed load, for kv_load_failure_policy, never a silent recompute.
         if not params or not (params.get("do_remote_prefill") or params.get("error")):
@@ -157,6 +166,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self.releases.expire()
+        if self.cfg.reuse_turns:
+            self.handoffs.evict_turns()
         released = self.handoffs.released_direct()  # before drain_freed
         return QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
@@ -196,7 +207,9 @@ class SchedulerSide:
         stats.add("lease_expiries", self.releases.take_expired())
         stats.add("handshakes", self.peers.take_handshakes())
         stats.add("preempted_handoffs", self.handoffs.preemptions)
-        self.handoffs.preemptions = 0
+        stats.add("kept_turns", self.handoffs.kept_turns)
+        stats.add("evicted_turns", self.handoffs.evicted_turns)
+        self.handoffs.preemptions = self.handoffs.kept_turns = self.handoffs.evicted_turns = 0
         return stats
 
     def shutdown(self) -> None:

@@ -22,6 +22,8 @@ COUNTERS = {
     "lease_expiries": "Staged requests whose lease ran out before every decode read them (prefill)",
     "handshakes": "Handshakes completed with peer engines",
     "preempted_handoffs": "Prompts preempted once staging began, resumed from there (prefill)",
+    "kept_turns": "Finished turns whose KV a decode kept for the conversation's next prefill",
+    "evicted_turns": "Kept turns released early because running requests needed the blocks",
 }
 
 # Counted per prefill engine the KV came from: ``loaded_requests_from:<engine_id>``.

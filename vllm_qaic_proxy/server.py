@@ -39,6 +39,7 @@ from vllm_qaic_proxy.legs import (
     response_of,
 )
 from vllm_qaic_proxy.routing import Router
+from vllm_qaic_proxy.turns import Turns
 
 logger = logging.getLogger(__name__)  # its own program's, not inside vLLM
 
@@ -67,6 +68,7 @@ class Proxy:
         self._decode_kv = dict(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
         self._first_from_prefill = first_token_from_prefill
         self.legs = Legs(prefill_timeout_s, decode_timeout_s, key)
+        self.turns = Turns(self.legs.release)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = None
@@ -118,6 +120,9 @@ class Proxy:
                 if first_from_prefill:  # its token ids, and what else the answer shows of it
                     asked = {k: body[k] for k in first_token.MERGED if k in body}
                     to_prefill.update(asked, return_token_ids=True)
+                # The conversation's KV so far, where a decode kept it (`turns`).
+                if turn := self.turns.take(api, body, auth):
+                    to_prefill["kv_transfer_params"]["earlier_turns"] = turn
                 try:
                     prefilled = await self.legs.failover(
                         self.router.prefills,
@@ -131,6 +136,9 @@ class Proxy:
                     # prompt itself, slower but answered, as llm-d's sidecar falls back.
                     logger.warning("%s; the decode computes the prompt itself", exc)
                     prefilled = {}
+                finally:
+                    if turn:  # loaded by now, or computed: the decode may free it
+                        self.legs.release(turn)
                 # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
                 took_ms = (time.monotonic() - started) * 1e3
                 timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
@@ -152,6 +160,8 @@ class Proxy:
                 response, done = await self._answer(
                     request, "decode", decode_url, to_decode, first, timing, stored, sink
                 )
+                if isinstance(response, web.Response) and response.status == 200:
+                    self.turns.keep(api, body, auth, answer_of(response)[1])
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
             except NoAnswer as exc:

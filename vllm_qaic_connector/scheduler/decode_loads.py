@@ -4,7 +4,7 @@ worker as a `LoadSpec`, its lease renewed while it waits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.kv_groups import (
@@ -54,8 +54,12 @@ class DecodeLoads:
         if ticket_problem(remote, self._key) is None:
             self.renewer.want(request.request_id, remote)
 
-    def claim(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request."""
+    def claim(
+        self, request: Request, num_computed_tokens: int, turn: dict[str, Any] | None = None
+    ) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request, or for
+        a prefill given the ticket of the conversation's earlier ``turn`` (``reuse_turns``):
+        loaded if it checks out (the prompt begins with exactly its tokens), else ignored."""
         if position := request_ids.later_prompt_of_a_list(request.request_id):
             # Its params are the first prompt's (vLLM returns no other): computed here.
             logger.info(
@@ -67,10 +71,11 @@ class DecodeLoads:
         remote: RemotePrefill | None = None
         error: str | None = None
         prompt = request.prompt_token_ids or []
+        params = request.kv_transfer_params or {} if turn is None else turn
         try:
-            if failed := (request.kv_transfer_params or {}).get("error"):
+            if failed := params.get("error"):
                 raise ValueError(f"the prefill could not hand the KV off: {failed}")
-            parsed = parse_remote_prefill(request.kv_transfer_params or {})
+            parsed = parse_remote_prefill(params)
             num_tokens = parsed.num_tokens
             adapter = adapter_fingerprint(request.lora_request)
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
@@ -91,6 +96,9 @@ class DecodeLoads:
             remote = parsed  # only a ticket that checks out is used, renewed or released
             self.renewer.want(request.request_id, remote)
         except ValueError as exc:
+            if turn is not None:
+                logger.info("QAICConnector: %s computes its history: %s", request.request_id, exc)
+                return 0, False
             # Still claim the tokens: the worker reports their blocks as load errors, so
             # vLLM's kv_load_failure_policy decides, as for every other failed load. A
             # ticket renewed since arrival is not ours to renew or release (another
@@ -114,7 +122,9 @@ class DecodeLoads:
             return
         first_token, remote, error = matched
         if request.kv_transfer_params:  # load once: a failed load is recomputed, not retried
-            request.kv_transfer_params.update(do_remote_prefill=False, error=None)
+            request.kv_transfer_params.update(
+                do_remote_prefill=False, error=None, earlier_turns=None
+            )
         starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
         if remote is not None and error is None:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))

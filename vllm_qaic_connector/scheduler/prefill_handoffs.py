@@ -1,7 +1,9 @@
 """A prefill engine's requests on their way to decodes, in the scheduler: the decode's
 format learnt by handshake, staging reserved before the prompt runs, a save per computed
 chunk, and the ticket when the request finishes (its staging is freed by
-`staging_releases`). Logical only: no tensors, layouts or transports."""
+`staging_releases`). With ``reuse_turns``, a decode's finished turn is handed back the same
+way, its blocks held for the conversation's next prefill. Logical only: no tensors,
+layouts or transports."""
 
 from __future__ import annotations
 
@@ -113,11 +115,14 @@ class PrefillHandoffs:
         self._staged: dict[str, SaveSpec] = {}
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
         self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
+        self._turns: list[str] = []  # kept turns (also in _direct_held), oldest first
+        self._seals: list[SaveSpec] = []  # kept turns' tickets, sealed at the next step
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
         self._named_at: dict[str, float] = {}  # decodes requests named, when last
         self._generations = generations()
-        self.preemptions = 0  # for stats, taken by the scheduler side
+        # For stats, taken by the scheduler side.
+        self.preemptions = self.kept_turns = self.evicted_turns = 0
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
             peers.poll(host, port)
 
@@ -229,7 +234,7 @@ class PrefillHandoffs:
     # --- each step ----------------------------------------------------------------------
 
     def saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
-        saves = []
+        saves, self._seals = self._seals, []
         for rid, req in list(self._to_save.items()):
             scheduled = out.num_scheduled_tokens.get(rid, 0)
             if scheduled == 0:
@@ -302,7 +307,19 @@ class PrefillHandoffs:
         released = [rid for rid in self._direct_held if not self.pool.has(rid)]
         for rid in released:
             del self._direct_held[rid]
+        self._turns = [rid for rid in self._turns if rid in self._direct_held]
         return released
+
+    def evict_turns(self) -> None:
+        """Kept turns give way to running requests: while fewer than an eighth of the KV
+        cache's blocks are free, the oldest kept turn is released (its blocks come back at
+        the next step)."""
+        assert self.kv_cache_manager is not None
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        while self._turns and free < self.engine.num_blocks // 8:
+            rid = self._turns.pop(0)
+            free += self._direct_held[rid]
+            self.evicted_turns += self.pool.release(rid)
 
     # --- when the request finishes --------------------------------------------------------
 
@@ -317,6 +334,8 @@ class PrefillHandoffs:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
             # when the worker reports the load finished.
             return True, None
+        if out is None and self.cfg.reuse_turns:
+            return self._keep_turn(request)
         # Saves run on the worker's own thread, after the step: the blocks they read stay
         # held until the worker reports them finished sending.
         direct = out is not None and out.target is not None and out.target.direct
@@ -339,7 +358,41 @@ class PrefillHandoffs:
             hold = True
         return hold, msgspec.to_builtins(params)
 
+    def _keep_turn(self, request: Request) -> tuple[bool, Any]:
+        """A decode's finished turn: its blocks held under a lease, and a ticket for the
+        prompt and the answer's tokens but the last (whose KV was never computed), which the
+        conversation's next prefill loads instead of computing. Not kept: an aborted turn,
+        less than a block, KV in more than one full-attention group, or no room."""
+        rid, block_size = request.request_id, self.engine.geometry.block_size
+        num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        num_blocks = blocks_for_tokens(num_tokens, block_size)
+        one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
+        room = sum(self._direct_held.values()) + num_blocks <= self._direct_cap
+        if request.status not in _FINISHED or num_tokens < block_size or not one_group or not room:
+            return False, None
+        if (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
+            return False, None
+        assert self.kv_cache_manager is not None
+        block_ids = self.kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
+        spec = SaveSpec(
+            request_id=rid,
+            block_ids=(list(block_ids),),
+            num_tokens=num_tokens,
+            staging_offset=offset,
+            layout_kind=self.ranks[0].layout_kind if self.ranks else "",
+            block_size=block_size,
+            generation=next(self._generations),
+            direct=True,
+        )
+        self._seals.append(spec)
+        self._direct_held[rid] = num_blocks
+        self._turns.append(rid)
+        self.kept_turns += 1
+        return True, msgspec.to_builtins(self._ticket(request, spec))
+
     def _ticket(self, request: Request, spec: SaveSpec) -> RemotePrefill:
+        # A kept turn's tokens run on into the answer's; prompt embeddings have none.
+        tokens = request.all_token_ids if request.prompt_token_ids is not None else []
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine.engine_id,
@@ -352,7 +405,7 @@ class PrefillHandoffs:
             staged_block_size=spec.block_size,
             incarnation=self.ranks[0].incarnation if self.ranks else "",
             generation=spec.generation,
-            prompt_hash=prompt_hash((request.prompt_token_ids or [])[: spec.num_tokens]),
+            prompt_hash=prompt_hash(tokens[: spec.num_tokens]),
             adapter=adapter_fingerprint(request.lora_request),
             lease_s=round(self.cfg.lease_s, 3),  # whole ms: see ticket_mac
             expires_at=round(time.time() + self.pool.expires_in(request.request_id), 3),

@@ -1,0 +1,207 @@
+"""Multi-turn conversations through the proxy, against vLLM alone (``reuse_turns``).
+
+N conversations of T turns, interleaved: every conversation's turn k at once, then turn
+k + 1. Each turn's prompt is the last one's, its answer and a new question (the copy task's,
+on the shipped model). Every turn must equal vLLM's own answer (the prefill alone, salted,
+beforehand). Per turn it reports what the prefill did with the prompt tokens (vLLM's own
+``prompt_tokens_by_source``: computed, loaded, found in its cache), the bound reuse promises
+(the tokens since the last turn's KV, plus a block), the decode's kept turns, and the
+prefill leg's time (the proxy's Server-Timing: the client's TTFT on the first-token path)
+against vLLM alone's TTFT for the same prompt.
+
+    python -m testbed.conversations [--transport shm|nixl] [--no-prefix-caching]
+        [--conversations 8] [--turns 4] [--no-reuse] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import requests
+
+from testbed import copy_task
+from testbed.live_servers import ANSWER_TOKENS, LiveRun, kv_config, metric_samples
+from testbed.ports import free_port
+
+BLOCK = 32  # vLLM's CPU attention takes multiples of 32
+SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
+
+
+@dataclass
+class TurnReport:
+    turn: int
+    prompt_tokens: int = 0
+    since_last_kv: int = 0  # tokens after the last turn's KV: what reuse must compute
+    computed: int = 0
+    loaded: int = 0
+    cached: int = 0
+    kept_turns: int = 0
+    mismatches: list[str] = field(default_factory=list)
+    prefill_ms: list[float] = field(default_factory=list)
+    alone_ttft_ms: list[float] = field(default_factory=list)
+
+    @property
+    def within_bound(self) -> bool:
+        """The prefill computed at most the tokens since the last turn, plus a block each."""
+        return self.computed <= self.since_last_kv + BLOCK * len(self.prefill_ms)
+
+
+def questions(conversations: int, turns: int, seed: int) -> list[list[str]]:
+    """Each conversation's user parts: a first prompt, then questions that continue it."""
+    rng = random.Random(f"conversations-{seed}")
+    out = []
+    for _ in range(conversations):
+        first = copy_task.make_example(rng, prompt_tokens=120)[0]
+        later = [copy_task.make_example(rng, prompt_tokens=60)[0] for _ in range(turns - 1)]
+        out.append([first] + [" " + q.removeprefix(copy_task.BOS + " ") for q in later])
+    return out
+
+
+def by_source(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    samples = metric_samples(text, "vllm:prompt_tokens_by_source_total")
+    return {s: sum(v for labels, v in samples if f'source="{s}"' in labels) for s in SOURCES}
+
+
+def kept(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(v for _, v in metric_samples(text, "vllm:qaic_kv_kept_turns_total"))
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, prompt: str, **extra: Any
+) -> tuple[dict[str, Any], float]:
+    """A greedy completion, and the prefill leg's milliseconds (Server-Timing), if any."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0.0}
+    async with session.post(f"{url}/v1/completions", json={**body, **extra}) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, f"{url}: HTTP {resp.status} {answer}"
+        timing = resp.headers.get("Server-Timing", "")
+    return answer, float(timing.rpartition("dur=")[2] or 0)
+
+
+async def converse(
+    proxy: str, prefill: str, decode: str, parts: list[list[str]]
+) -> list[TurnReport]:
+    """vLLM alone's conversations first (salted), then the same turns through the proxy."""
+    reports = [TurnReport(k + 1) for k in range(len(parts[0]))]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        expected: list[list[str]] = []
+        for conv in parts:
+            history, answers = "", []
+            for part in conv:
+                history += part
+                answer, _ = await complete(session, prefill, history, cache_salt="reference")
+                answers.append(answer["choices"][0]["text"])
+                history += answers[-1]
+            expected.append(answers)
+        histories = [""] * len(parts)
+        last_kv = [0] * len(parts)  # tokens the last turn's KV covers, per conversation
+        for k, report in enumerate(reports):
+            prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
+            sources, kept_before = by_source(prefill), kept(decode)
+            got = await asyncio.gather(*(complete(session, proxy, p) for p in prompts))
+            await asyncio.sleep(1.0)  # the last step's stats reach /metrics
+            moved = {s: v - sources[s] for s, v in by_source(prefill).items()}
+            report.computed, report.loaded, report.cached = (int(moved[s]) for s in SOURCES)
+            report.kept_turns = int(kept(decode) - kept_before)
+            for i, (answer, prefill_ms) in enumerate(got):
+                text, usage = answer["choices"][0]["text"], answer["usage"]
+                if text != expected[i][k]:
+                    report.mismatches.append(f"conversation {i}: {text!r} != {expected[i][k]!r}")
+                report.prompt_tokens += usage["prompt_tokens"]
+                report.since_last_kv += usage["prompt_tokens"] - last_kv[i]
+                last_kv[i] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+                report.prefill_ms.append(prefill_ms)
+                histories[i] = prompts[i] + text
+            for p in prompts:  # vLLM alone's TTFT for the same prompt (salted: no cache)
+                t0 = time.monotonic()
+                await complete(session, prefill, p, max_tokens=1, cache_salt=f"ttft{k}")
+                report.alone_ttft_ms.append((time.monotonic() - t0) * 1e3)
+    return reports
+
+
+def run(
+    transport: str, prefix_caching: bool, conversations: int, turns: int, reuse: bool, seed: int
+) -> list[TurnReport]:
+    block = ["--block-size", str(BLOCK)] + (
+        [] if prefix_caching else ["--no-enable-prefix-caching"]
+    )
+    nixl = {"nixl_direct_reads": True} if transport == "nixl" else {}
+    with LiveRun("turns") as live:
+        role = "kv_both" if reuse else "kv_consumer"
+        prefill = live.vllm(
+            "prefill", "0",
+            kv_config("kv_producer", live.engine_id("p"), 0, transport, reuse_turns=reuse, **nixl),
+            extra_args=block,
+        )  # fmt: skip
+        decode = live.vllm(
+            "decode", "1",
+            kv_config(role, live.engine_id("d"), free_port(), transport, reuse_turns=reuse, **nixl),
+            extra_args=["--block-size", str(BLOCK)],
+        )  # fmt: skip
+        prefill.wait_ready()
+        decode.wait_ready()
+        proxy = live.proxy([prefill.url], [decode.url], [decode.side_channel])
+        proxy.wait_ready()
+        parts = questions(conversations, turns, seed)
+        reports = asyncio.run(converse(proxy.url, prefill.url, decode.url, parts))
+    assert live.report is not None and live.report.clean, live.report and live.report.problems()
+    return reports
+
+
+def print_reports(reports: list[TurnReport], label: str) -> None:
+    print(f"[conversations] {label}")
+    print("turn  prompt  since-last-KV  computed  loaded  cached  kept  leg-ms  alone-ms  equal")
+    for r in reports:
+        leg = sorted(r.prefill_ms)[len(r.prefill_ms) // 2]
+        alone = sorted(r.alone_ttft_ms)[len(r.alone_ttft_ms) // 2]
+        print(
+            f"{r.turn:>4}  {r.prompt_tokens:>6}  {r.since_last_kv:>13}  {r.computed:>8}  "
+            f"{r.loaded:>6}  {r.cached:>6}  {r.kept_turns:>4}  {leg:>6.1f}  {alone:>8.1f}  "
+            f"{'yes' if not r.mismatches else len(r.mismatches)}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--transport", choices=("shm", "nixl"), default="shm")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--no-reuse", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    reuse = not args.no_reuse
+    reports = run(
+        args.transport, not args.no_prefix_caching, args.conversations, args.turns, reuse,
+        args.seed,
+    )  # fmt: skip
+    caching = "off" if args.no_prefix_caching else "on"
+    label = (
+        f"{args.conversations} conversations x {args.turns} turns, {args.transport}, prefill "
+        f"prefix caching {caching}, reuse {'on' if reuse else 'off'}"
+    )
+    print_reports(reports, label)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in reports], f, indent=1)
+    equal = all(not r.mismatches for r in reports)
+    bounded = all(r.within_bound for r in reports[1:]) or not reuse
+    print(
+        f"[conversations] every turn equal to vLLM alone: {equal}; computed within bound: {bounded}"
+    )
+    return 0 if equal and bounded else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Multi-turn reuse (``reuse_turns``), in real vLLM Schedulers with real Requests: a decode
+keeps a finished turn's blocks and hands out a ticket for them; the conversation's next
+prefill loads the history it lacks from it, only after its prompt proves to begin with
+exactly those tokens."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from testbed.handshake_ranks import rank_meta
+from testbed.vllm_harness import BS, free_blocks, make_request, make_scheduler, meta, step
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.wire import ReleaseRequest, prompt_hash
+
+REUSE = {"reuse_turns": True, "lease_s": 60.0}
+
+
+@pytest.fixture
+def decode():
+    sched = make_scheduler("kv_both", BS, REUSE, engine_id="dec")
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    yield sched
+    sched.connector.shutdown()
+
+
+@pytest.fixture
+def prefill():
+    sched = make_scheduler("kv_producer", BS, REUSE)
+    sched.connector.scheduler.set_rank_metadata([rank_meta()])
+    yield sched
+    sched.connector.shutdown()
+
+
+def counted(sched, name: str) -> list[int]:
+    """Each step's ``name`` counter, as vLLM's scheduler takes the stats at every step."""
+    side, taken = sched.connector.scheduler, []
+    pool_stats = side.pool_stats
+
+    def taking():
+        stats = pool_stats()
+        taken.append(stats.data.get(name, 0))
+        return stats
+
+    side.pool_stats = taking
+    return taken
+
+
+def finish_turn(decode, rid: str, prompt: int, answer: int, first: int = 5) -> dict | None:
+    """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens; its ticket."""
+    decode.add_request(make_request(rid, prompt, max_tokens=answer, first=first))
+    for _ in range(answer):
+        _, outputs = step(decode)
+        done = [o for outs in outputs.values() for o in outs.outputs if o.request_id == rid]
+        if done and done[0].finish_reason is not None:
+            return done[0].kv_transfer_params
+    raise AssertionError(f"{rid} did not finish")
+
+
+def test_a_decode_keeps_a_finished_turn_until_its_ticket_is_released(decode):
+    total, kept = free_blocks(decode), counted(decode, "kept_turns")
+    ticket = finish_turn(decode, "t1", 40, 10)
+    tokens = make_request("x", 40).prompt_token_ids + [7] * 10
+    # The answer's last token has no KV yet: the ticket covers every token before it.
+    assert ticket["num_tokens"] == 49
+    assert ticket["prompt_hash"] == prompt_hash(tokens[:49])
+    assert len(ticket["block_ids"]) == 4 and free_blocks(decode) == total - 4
+    out, _ = step(decode)
+    (seal,) = meta(out).saves  # the worker writes the ticket's header at the next step
+    assert seal.direct and seal.generation == ticket["generation"]
+    assert seal.block_ids == (list(ticket["block_ids"]),)
+    assert seal.staging_offset == ticket["staging_offset"]
+    host, port = ticket["remote_host"], ticket["remote_port"]
+    side_channel.call(host, port, ReleaseRequest(["t1"]), None, 5.0)
+    out, _ = step(decode)
+    assert meta(out).release_direct == ["t1"]
+    step(decode, KVConnectorOutput(finished_sending={"t1"}))
+    assert free_blocks(decode) == total
+    assert sum(kept) == 1
+
+
+def test_an_aborted_or_short_turn_is_not_kept(decode):
+    total = free_blocks(decode)
+    assert finish_turn(decode, "short", 10, 3) is None  # under a block: not worth a lease
+    assert decode.connector.scheduler.pool.pages_in_use == 0
+    decode.add_request(make_request("ab", 40, max_tokens=10))
+    step(decode)
+    decode.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
+    assert decode.connector.scheduler.pool.pages_in_use == 0
+    assert free_blocks(decode) == total
+
+
+def test_the_next_prefill_loads_the_history_its_prompt_begins_with(decode, prefill):
+    ticket = finish_turn(decode, "t1", 40, 10)
+    history = make_request("x", 40).prompt_token_ids + [7] * 9
+    new_turn = history + [7] + [300 + i for i in range(20)]  # the answer's end, the user's turn
+    req = make_request("p2", len(new_turn), {"do_remote_decode": True, "earlier_turns": ticket})
+    req.prompt_token_ids[:] = new_turn
+    req._all_token_ids[:] = new_turn
+    prefill.add_request(req)
+    out, _ = step(prefill)
+    (load,) = meta(out).loads
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert load.error is None and load.first_token == 0 and load.claimed == 49
+    assert load.remote.remote_request_id == "t1" and load.remote.block_ids == tuple(
+        ticket["block_ids"]
+    )
+    step(prefill, KVConnectorOutput(finished_recving={"p2"}))
+    out, _ = step(prefill)
+    assert out.num_scheduled_tokens["p2"] == len(new_turn) - 49  # the new turn's tokens only
+
+
+@pytest.mark.parametrize("edit", ["a token edited mid-way", "the history cut short"])
+def test_a_prompt_that_does_not_begin_with_the_turn_computes_it(decode, prefill, edit):
+    ticket = finish_turn(decode, "t1", 40, 10)
+    history = make_request("x", 40).prompt_token_ids + [7] * 9
+    if edit == "a token edited mid-way":
+        history[20] += 1
+    else:
+        history = history[:30]
+    req = make_request("p2", len(history) + 5, {"do_remote_decode": True, "earlier_turns": ticket})
+    req.prompt_token_ids[: len(history)] = history
+    req._all_token_ids[: len(history)] = history
+    prefill.add_request(req)
+    out, _ = step(prefill)
+    assert meta(out).loads == []  # no load, no load error: the prompt is computed here
+    assert out.num_scheduled_tokens["p2"] == len(history) + 5
+
+
+def test_kept_turns_give_way_when_running_requests_need_the_blocks(decode):
+    for i in range(7):  # 7 turns of 4 blocks each: 28 of 64 held
+        finish_turn(decode, f"t{i}", 40, 10, first=5 + i)
+    pool, evicted = decode.connector.scheduler.pool, counted(decode, "evicted_turns")
+    assert all(pool.has(f"t{i}") for i in range(7))
+    decode.add_request(make_request("big", 450, max_tokens=50, first=100))
+    step(decode, worker_frees=True)  # 29 blocks more: 6 free, under an eighth of the cache
+    step(decode, worker_frees=True)  # t0's 4 blocks are back: 10 free, nothing more evicted
+    assert not pool.has("t0") and all(pool.has(f"t{i}") for i in range(1, 7))
+    assert sum(evicted) == 1
+
+
+def test_a_decode_that_keeps_turns_must_produce_too():
+    with pytest.raises(ValueError, match="kv_role kv_both"):
+        make_scheduler("kv_consumer", BS, REUSE)
