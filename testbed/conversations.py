@@ -9,8 +9,13 @@ beforehand). Per turn it reports what the prefill did with the prompt tokens (vL
 prefill leg's time (the proxy's Server-Timing: the client's TTFT on the first-token path)
 against vLLM alone's TTFT for the same prompt.
 
+Then the faults (``--faults``), each asked of the prefill as a router would, with a turn's
+ticket from the decode: a history edited mid-way (not loaded), a ticket used twice (the
+second read finds the turn given up), a decode killed (SIGKILL) before its ticket is used.
+Each must answer vLLM's own first token, from recompute.
+
     python -m testbed.conversations [--transport shm|nixl] [--no-prefix-caching]
-        [--conversations 8] [--turns 4] [--no-reuse] [--json OUT]
+        [--conversations 8] [--turns 4] [--no-reuse] [--faults] [--json OUT]
 """
 
 from __future__ import annotations
@@ -28,8 +33,17 @@ import aiohttp
 import requests
 
 from testbed import copy_task
-from testbed.live_servers import ANSWER_TOKENS, LiveRun, kv_config, metric_samples
+from testbed.live_servers import (
+    ANSWER_TOKENS,
+    LiveRun,
+    VllmServer,
+    complete,
+    kv_config,
+    metric_samples,
+)
 from testbed.ports import free_port
+from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.wire import parse_remote_prefill
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
 SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
@@ -76,7 +90,7 @@ def kept(url: str) -> float:
     return sum(v for _, v in metric_samples(text, "vllm:qaic_kv_kept_turns_total"))
 
 
-async def complete(
+async def ask(
     session: aiohttp.ClientSession, url: str, prompt: str, **extra: Any
 ) -> tuple[dict[str, Any], float]:
     """A greedy completion, and the prefill leg's milliseconds (Server-Timing), if any."""
@@ -99,7 +113,7 @@ async def converse(
             history, answers = "", []
             for part in conv:
                 history += part
-                answer, _ = await complete(session, prefill, history, cache_salt="reference")
+                answer, _ = await ask(session, prefill, history, cache_salt="reference")
                 answers.append(answer["choices"][0]["text"])
                 history += answers[-1]
             expected.append(answers)
@@ -108,7 +122,7 @@ async def converse(
         for k, report in enumerate(reports):
             prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
             sources, kept_before = by_source(prefill), kept(decode)
-            got = await asyncio.gather(*(complete(session, proxy, p) for p in prompts))
+            got = await asyncio.gather(*(ask(session, proxy, p) for p in prompts))
             await asyncio.sleep(1.0)  # the last step's stats reach /metrics
             moved = {s: v - sources[s] for s, v in by_source(prefill).items()}
             report.computed, report.loaded, report.cached = (int(moved[s]) for s in SOURCES)
@@ -124,13 +138,75 @@ async def converse(
                 histories[i] = prompts[i] + text
             for p in prompts:  # vLLM alone's TTFT for the same prompt (salted: no cache)
                 t0 = time.monotonic()
-                await complete(session, prefill, p, max_tokens=1, cache_salt=f"ttft{k}")
+                await ask(session, prefill, p, max_tokens=1, cache_salt=f"ttft{k}")
                 report.alone_ttft_ms.append((time.monotonic() - t0) * 1e3)
     return reports
 
 
+def first_token(prefill: VllmServer, prompt: str, **extra: Any) -> str:
+    """A prefill leg (``kv_transfer_params`` in ``extra``) or vLLM alone: the token it
+    answers; a handoff's staging is released at once (no decode comes for it)."""
+    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    resp = requests.post(f"{prefill.url}/v1/completions", json={**body, **extra}, timeout=60)
+    assert resp.status_code == 200, f"the prefill failed: {resp.text[:300]}"
+    body = resp.json()
+    if isinstance(staged := body.get("kv_transfer_params"), dict) and not staged.get("error"):
+        side_channel.release(parse_remote_prefill(staged), None, 5.0)
+    return str(body["choices"][0]["text"])
+
+
+def check_faults(
+    prefill: VllmServer, decode: VllmServer, seed: int, prefix_caching: bool
+) -> dict[str, Any]:
+    """Each fault answers vLLM's own first token; returns the prefill's loads and failures.
+    A ticket used twice is not read again where the prefill's prefix cache is on (a ticket
+    is read once, as by sampling siblings), else its read fails."""
+    (parts,) = questions(1, 2, seed + 1)
+    names = ("vllm:qaic_kv_loaded_requests_total", "vllm:qaic_kv_load_failures_total")
+    before = [prefill.metric(n, 0.0) for n in names]
+
+    def turn(prompt: str) -> tuple[str, dict[str, Any]]:
+        status, body = complete(decode.url, prompt, max_tokens=ANSWER_TOKENS)
+        assert status == 200 and isinstance(body.get("kv_transfer_params"), dict), body
+        return prompt + body["choices"][0]["text"], body["kv_transfer_params"]
+
+    def with_turn(prompt: str, ticket: dict[str, Any], salt: str) -> str:
+        """A prefill leg given the turn; salted, its own cache holds none of the prompt."""
+        params = {"do_remote_decode": True, "earlier_turns": ticket}
+        return first_token(prefill, prompt, kv_transfer_params=params, cache_salt=salt)
+
+    def alone(prompt: str) -> str:
+        return first_token(prefill, prompt, cache_salt="alone")
+
+    history, ticket = turn(parts[0])
+    words = history.split(" ")
+    words[len(words) // 2] = "f1" if words[len(words) // 2] != "f1" else "f2"
+    edited = " ".join(words) + parts[1]
+    assert with_turn(edited, ticket, "edited") == alone(edited), "history edited mid-way"
+    prompt = history + parts[1]
+    assert with_turn(prompt, ticket, "once") == alone(prompt), "a ticket used once"
+    history, ticket2 = turn(parts[0] + " f4")  # the decode steps: the used turn is gone
+    assert with_turn(prompt, ticket, "twice") == alone(prompt), "a ticket used twice"
+    decode.kill()
+    decode.wait_gone(30)
+    prompt = history + parts[1]
+    assert with_turn(prompt, ticket2, "dead") == alone(prompt), "the decode killed"
+    decode.start()  # as its supervisor would: it reclaims the dead one's staging segment
+    decode.wait_ready()
+    loaded, failed = (prefill.metric(n, 0.0) - b for n, b in zip(names, before, strict=True))
+    want = (1, 1 if prefix_caching else 2)
+    assert (loaded, failed) == want, f"loads {loaded}, failures {failed}: want {want}"
+    return {"loaded": loaded, "load_failures": failed}
+
+
 def run(
-    transport: str, prefix_caching: bool, conversations: int, turns: int, reuse: bool, seed: int
+    transport: str,
+    prefix_caching: bool,
+    conversations: int,
+    turns: int,
+    reuse: bool,
+    seed: int,
+    faults: bool = False,
 ) -> list[TurnReport]:
     block = ["--block-size", str(BLOCK)] + (
         [] if prefix_caching else ["--no-enable-prefix-caching"]
@@ -154,6 +230,9 @@ def run(
         proxy.wait_ready()
         parts = questions(conversations, turns, seed)
         reports = asyncio.run(converse(proxy.url, prefill.url, decode.url, parts))
+        if faults:
+            found = check_faults(prefill, decode, seed, prefix_caching)
+            print(f"[conversations] faults answered from recompute: {found}")
     assert live.report is not None and live.report.clean, live.report and live.report.problems()
     return reports
 
@@ -179,12 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--no-reuse", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     reuse = not args.no_reuse
     reports = run(
         args.transport, not args.no_prefix_caching, args.conversations, args.turns, reuse,
-        args.seed,
+        args.seed, args.faults,
     )  # fmt: skip
     caching = "off" if args.no_prefix_caching else "on"
     label = (

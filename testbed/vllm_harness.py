@@ -54,6 +54,7 @@ def make_vllm_config(
     dp_index: int = 0,
     prefix_caching: bool = True,
     max_num_seqs: int = 16,
+    load_failure_policy: Literal["recompute", "fail"] = "fail",
 ) -> VllmConfig:
     """``dp_index``: the data-parallel rank this engine is (vLLM sets it per DP engine)."""
     vllm_qaic_connector.register()
@@ -72,6 +73,7 @@ def make_vllm_config(
             kv_role=role,
             engine_id=engine_id,
             kv_connector_extra_config=extra or {},
+            kv_load_failure_policy=load_failure_policy,
         ),
     )
     cfg.parallel_config.data_parallel_index = dp_index

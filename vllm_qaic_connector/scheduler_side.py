@@ -62,6 +62,12 @@ class SchedulerSide:
                 "reuse_turns: a decode that keeps turns for the next prefill shares its KV "
                 "cache and hands out tickets: run it with kv_role kv_both"
             )
+        if cfg.reuse_turns and ktc.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                "reuse_turns: a kept turn may be gone when its ticket is used (evicted, "
+                "expired): run with kv_load_failure_policy recompute, so that such a load "
+                "is computed instead of failing the request"
+            )
         self.groups = groups_of(kv_cache_config)
         geometry = attention_geometry(kv_cache_config)
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)

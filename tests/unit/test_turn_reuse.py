@@ -19,7 +19,7 @@ REUSE = {"reuse_turns": True, "lease_s": 60.0}
 
 @pytest.fixture
 def decode():
-    sched = make_scheduler("kv_both", BS, REUSE, engine_id="dec")
+    sched = make_scheduler("kv_both", BS, REUSE, engine_id="dec", load_failure_policy="recompute")
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     yield sched
     sched.connector.shutdown()
@@ -27,7 +27,7 @@ def decode():
 
 @pytest.fixture
 def prefill():
-    sched = make_scheduler("kv_producer", BS, REUSE)
+    sched = make_scheduler("kv_producer", BS, REUSE, load_failure_policy="recompute")
     sched.connector.scheduler.set_rank_metadata([rank_meta()])
     yield sched
     sched.connector.shutdown()
@@ -142,4 +142,9 @@ def test_kept_turns_give_way_when_running_requests_need_the_blocks(decode):
 
 def test_a_decode_that_keeps_turns_must_produce_too():
     with pytest.raises(ValueError, match="kv_role kv_both"):
-        make_scheduler("kv_consumer", BS, REUSE)
+        make_scheduler("kv_consumer", BS, REUSE, load_failure_policy="recompute")
+
+
+def test_a_turn_s_load_that_fails_must_be_recomputed_not_fail_the_request():
+    with pytest.raises(ValueError, match="kv_load_failure_policy recompute"):
+        make_scheduler("kv_producer", BS, REUSE)
