@@ -21,12 +21,10 @@ import torch
 from msgspec.structs import force_setattr
 
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.layout import KV, KVGeometry
 from vllm_qaic_connector.protocol.wire import CONVERTIBLE_DTYPES
 from vllm_qaic_connector.qaic.buffers import kv_buffer_regex, parse_kv_name
 from vllm_qaic_connector.transports.shm import SharedSegment
-
-KV = tuple[torch.Tensor, torch.Tensor]
 
 
 def torch_dtype(name: str) -> torch.dtype:
