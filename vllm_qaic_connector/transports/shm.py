@@ -192,9 +192,8 @@ class ShmTransport(KVTransport):
     def pin_host_memory(self) -> None:
         with self._lock:
             self._pin = True
-            for seg in [self._own, *self._peers.values()]:
-                if seg is not None:
-                    seg.pin()
+            for seg in filter(None, [self._own, *self._peers.values()]):
+                seg.pin()
 
     @property
     def staging(self) -> torch.Tensor:
@@ -230,8 +229,6 @@ class ShmTransport(KVTransport):
 
     def close(self) -> None:
         with self._lock:
-            for seg in self._peers.values():
+            for seg in filter(None, [*self._peers.values(), self._own]):
                 seg.close()
             self._peers.clear()
-            if self._own is not None:
-                self._own.close()
