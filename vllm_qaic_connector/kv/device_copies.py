@@ -39,9 +39,7 @@ class DeviceCopies:
     @staticmethod
     def forward_done(device: torch.device) -> torch.cuda.Event | None:
         """An event after the work queued so far on the engine's stream (None on a CPU)."""
-        if device.type != "cuda":
-            return None
-        return torch.cuda.current_stream(device).record_event()
+        return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
 
     @contextlib.contextmanager
     def after(self, event: torch.cuda.Event | None, device: torch.device) -> Iterator[None]:
