@@ -15,10 +15,8 @@ READ_ONLY = 8  # cudaHostRegisterReadOnly: a peer's segment is mapped without wr
 
 
 def pin(region: torch.Tensor, read_only: bool) -> bool:
-    """Registers ``region`` (a flat uint8 tensor over host memory) with CUDA; False where
-    it could not be: the copies still run, slower."""
-    if region.numel() == 0:
-        return False
+    """Registers ``region`` (a flat uint8 tensor over a host mapping: never empty, mmap
+    refuses 0 bytes) with CUDA; False where it could not be: the copies still run, slower."""
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(region.data_ptr(), region.numel(), READ_ONLY if read_only else 0)
     if int(err) != 0:
