@@ -102,9 +102,8 @@ def tokens_to_load(num_tokens: int, groups: Sequence[KVGroup]) -> int:
     sliding window, one short: vLLM recomputes the last prompt token of a fully loaded
     prompt, and that token attends one token further back than the blocks vLLM keeps for
     the whole prompt."""
-    if has_state(groups):
-        return num_tokens
-    return num_tokens - 1 if any(g.window for g in groups) and num_tokens > 1 else num_tokens
+    one_short = any(g.window for g in groups) and num_tokens > 1 and not has_state(groups)
+    return num_tokens - 1 if one_short else num_tokens
 
 
 def kept_start(num_tokens: int, window: int, block_size: int) -> int:
