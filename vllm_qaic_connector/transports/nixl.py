@@ -262,7 +262,6 @@ class NixlTransport(KVTransport):
             for agent in list(self._peers):
                 self._drop_peer(agent)
             self._held.clear()
-            self._used.clear()
             self._destinations.clear()
             for reg in self._regs:
                 try:
