@@ -35,9 +35,8 @@ class CopyPool:
         Under `SPLIT_MIN_BYTES`, or where that thread is busy with another copy, the whole
         copy runs here: a small load never queues behind a big one's half."""
         at = n // 2 if at is None else at
-        if self._pool is None or nbytes < SPLIT_MIN_BYTES or not 0 < at < n:
-            return work(0, n)
-        if not self._idle.acquire(blocking=False):  # the other thread is busy
+        whole = nbytes < SPLIT_MIN_BYTES or not 0 < at < n  # too small, or nothing to split
+        if self._pool is None or whole or not self._idle.acquire(blocking=False):  # or busy
             return work(0, n)
         try:
             second = self._pool.submit(work, at, n)
