@@ -259,7 +259,7 @@ def parse_ack(message: bytes, key: bytes | None) -> ReleaseRequest | None:
 
 
 class Ok(msgspec.Struct, tag="ok", frozen=True):
-    pass
+    """A request done, with nothing to answer (a release's reply)."""
 
 
 class ErrorReply(msgspec.Struct, tag="error", frozen=True):

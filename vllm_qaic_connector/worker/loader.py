@@ -28,7 +28,7 @@ PARKED_POLL_S = 0.001  # how often `wait` looks whether a parked load's peer is 
 
 
 class LoadTimeout(TimeoutError):
-    pass
+    """A load that ran past its deadline tried to write KV blocks."""
 
 
 class WriteGate:
