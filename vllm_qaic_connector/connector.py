@@ -84,12 +84,12 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         self._w().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are whole-request and asynchronous
+        """Nothing to wait for: loads are whole-request and asynchronous."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # the whole prompt is staged in wait_for_save
+        """Nothing to do per layer: the whole prompt is staged in wait_for_save."""
 
     def wait_for_save(self) -> None:
         self._w().wait_for_save()
@@ -116,8 +116,7 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         # scheduler (producers only).
         if self.worker is not None:
             return self.worker.get_stats()
-        assert self.scheduler is not None
-        return self.scheduler.pool_stats() if self.scheduler.is_producer else None
+        return self._s().pool_stats() if self._s().is_producer else None
 
     def shutdown(self) -> None:
         if self.worker is not None:
