@@ -21,7 +21,6 @@ import select
 import threading
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -46,38 +45,27 @@ def dense_blocks(cache: LocalCache) -> bool:
     return False
 
 
-@dataclass(frozen=True)
-class CacheBlocks:
-    """Where the blocks of each layer of a prefill's advertised cache lie."""
-
-    extents: BlockExtents
-    num_blocks: int
-    block_dim: int
-
-    @classmethod
-    def of(cls, cache: SharedCache, layout: KVLayout) -> CacheBlocks:
-        extents = BlockExtents.of(cache.shape, cache.strides, layout.block_dim)
-        return cls(extents, cache.shape[layout.block_dim], layout.block_dim)
-
-
 def cache_ranges(
-    src: CacheBlocks,
+    cache: SharedCache,
+    layout: KVLayout,
     src_bases: Sequence[int],
     layers: Sequence[torch.Tensor],
     blocks: tuple[Sequence[int], Sequence[int]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`block_ranges` of every layer: (source, destination, bytes) of (prefill blocks, our
-    blocks) from the prefill's layers at ``src_bases`` into our ``layers``."""
-    limits = (src.num_blocks, layers[0].shape[src.block_dim])
+    blocks) from the prefill's layers of ``cache`` at ``src_bases`` into our ``layers``."""
+    dim = layout.block_dim
+    limits = (cache.shape[dim], layers[0].shape[dim])
     for name, ids, n in zip(("prefill", "our"), blocks, limits, strict=True):
         if ids and not 0 <= min(ids) <= max(ids) < n:  # copies go by address
             raise ValueError(f"{name} block ids {min(ids)}..{max(ids)} outside 0..{n - 1}")
     first = layers[0]
     if any((t.shape, t.stride()) != (first.shape, first.stride()) for t in layers):
         raise ValueError("direct reads need our layers in one shape and stride")
-    ours = BlockExtents.of(first.shape, first.stride(), src.block_dim)
+    theirs = BlockExtents.of(cache.shape, cache.strides, dim)
+    ours = BlockExtents.of(first.shape, first.stride(), dim)
     runs, item = block_runs(*blocks), first.element_size()
-    frm, to, sizes = block_ranges(src.extents, ours, runs, item)
+    frm, to, sizes = block_ranges(theirs, ours, runs, item)
     # The layers share one plan, shifted to each layer's base; range by range, every layer
     # in turn, so a cross-layer layout's block of every layer joins into one range.
     src_at = frm[:, None] + np.asarray(src_bases, dtype=np.int64)
@@ -94,8 +82,7 @@ def plan_cache_reads(
     """NIXL runs for (prefill blocks, our blocks) of every layer: the source offset in the
     prefill's cache, the destination address in ours."""
     item = layers[0].element_size()
-    theirs = CacheBlocks.of(cache, layout)
-    ranges = cache_ranges(theirs, [o * item for o in cache.layer_offsets], layers, blocks)
+    ranges = cache_ranges(cache, layout, [o * item for o in cache.layer_offsets], layers, blocks)
     return [ByteRun(*r) for r in zip(*(a.tolist() for a in ranges), strict=True)]
 
 
@@ -139,10 +126,11 @@ class PeerCache:
             flat = torch.frombuffer(self._map, dtype=torch.uint8).view(geometry.dtype)
         try:  # as_strided refuses a shape or offset outside the mapping
             tensors = [flat.as_strided(cache.shape, cache.strides, o) for o in cache.layer_offsets]
-            self.blocks = CacheBlocks.of(cache, layout)
+            BlockExtents.of(cache.shape, cache.strides, layout.block_dim)  # whole blocks to copy
         except (RuntimeError, ValueError) as exc:
             os.close(self._pidfd)
             raise ConnectionError(f"the prefill's KV cache does not fit its map: {exc}") from None
+        self.cache, self.layout = cache, layout
         self.layers = [layout.kv_views(t, geometry) for t in tensors]
         self.addresses = [t.data_ptr() for t in tensors]
 
@@ -197,7 +185,8 @@ class DirectReader:
     ) -> int:
         """Copies whole blocks from ``src`` into ``dst``, our layers as vLLM registered them
         (the same layout); a second thread takes the ranges of the second half of the bytes."""
-        frm, to, sizes = cache_ranges(src.blocks, src.addresses, dst, (src_blocks, dst_blocks))
+        blocks = (src_blocks, dst_blocks)
+        frm, to, sizes = cache_ranges(src.cache, src.layout, src.addresses, dst, blocks)
         half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
 
         def part(lo: int, hi: int) -> int:
