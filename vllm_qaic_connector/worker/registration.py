@@ -194,7 +194,6 @@ def rank_metadata(
 ) -> RankMetadata:
     """What this rank's handshake says."""
     geo, tensors = cache.geometry, cache.tensors
-    dtype = str(geo.dtype).removeprefix("torch.")
     total_heads = identity.total_kv_heads
     windows = tuple(groups[g].window for g in cache.layer_groups) if groups else ()
     states = cache.state.signature() if cache.state else ()
@@ -207,7 +206,7 @@ def rank_metadata(
         num_blocks=tensors[0].shape[cache.layout.block_dim],
         num_kv_heads=total_heads,
         head_size=geo.head_size,
-        dtype=dtype,
+        dtype=str(geo.dtype).removeprefix("torch."),
         num_layers=len(tensors),
         model=identity.model,
         weights=identity.weights,
