@@ -37,6 +37,13 @@ clean:
 differential: setup
 	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1}
 
+# Multi-turn reuse: 8 conversations x 4 turns, shm and NIXL, the prefill's prefix cache on
+# and off, each beside the same run without reuse (CI runs the shm, cache-on one).
+.PHONY: conversations
+conversations: setup
+	for t in shm nixl; do for c in "" --no-prefix-caching; do for r in "" --no-reuse; do \
+	  $(PY) -m testbed.conversations --transport $$t $$c $$r || exit 1; done; done; done
+
 # Issue #55: bf16 vLLM prefills into float16 QAIC programs over random models (CI: the
 # shipped model's case in tests/live/test_qaic_emulator_harness.py).
 .PHONY: qaic-dtype-sweep
