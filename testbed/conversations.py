@@ -147,8 +147,8 @@ async def converse(
 def first_token(prefill: VllmServer, prompt: str, **extra: Any) -> str:
     """A prefill leg (``kv_transfer_params`` in ``extra``) or vLLM alone: the token it
     answers; a handoff's staging is released at once (no decode comes for it)."""
-    body = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
-    resp = requests.post(f"{prefill.url}/v1/completions", json={**body, **extra}, timeout=60)
+    asked = {"model": "model", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, **extra}
+    resp = requests.post(f"{prefill.url}/v1/completions", json=asked, timeout=60)
     assert resp.status_code == 200, f"the prefill failed: {resp.text[:300]}"
     body = resp.json()
     if isinstance(staged := body.get("kv_transfer_params"), dict) and not staged.get("error"):
@@ -167,7 +167,8 @@ def check_faults(
     before = [prefill.metric(n, 0.0) for n in names]
 
     def turn(prompt: str) -> tuple[str, dict[str, Any]]:
-        status, body = complete(decode.url, prompt, max_tokens=ANSWER_TOKENS)
+        keep = {"keep_turn": True}  # as the proxy asks a decode leg it is not streaming
+        status, body = complete(decode.url, prompt, ANSWER_TOKENS, kv_transfer_params=keep)
         assert status == 200 and isinstance(body.get("kv_transfer_params"), dict), body
         return prompt + body["choices"][0]["text"], body["kv_transfer_params"]
 
@@ -195,8 +196,11 @@ def check_faults(
     # What the decode's restart would do first (tests/live/test_faults.py restarts one).
     reclaim_dead_segments(f"qaic_kv_{decode.engine_id}_")
     loaded, failed = (prefill.metric(n, 0.0) - b for n, b in zip(names, before, strict=True))
-    want = (1, 1 if prefix_caching else 2)
-    assert (loaded, failed) == want, f"loads {loaded}, failures {failed}: want {want}"
+    # Used once: loaded. Twice: not read again, or a failed read. The killed decode: a failed
+    # read, or a read of its memory still mapped here (its turn's KV, sealed: no one can
+    # write it any more) before the worker notices the death and unmaps it.
+    reads = 2 if prefix_caching else 3
+    assert loaded >= 1 and loaded + failed == reads, f"{loaded} loads, {failed} failures"
     return {"loaded": loaded, "load_failures": failed}
 
 
@@ -212,17 +216,17 @@ def run(
     block = ["--block-size", str(BLOCK)] + (
         [] if prefix_caching else ["--no-enable-prefix-caching"]
     )
-    nixl = {"nixl_direct_reads": True} if transport == "nixl" else {}
+    extra: dict[str, Any] = {"reuse_turns": reuse, "nixl_direct_reads": transport == "nixl"}
     with LiveRun("turns") as live:
         role = "kv_both" if reuse else "kv_consumer"
         prefill = live.vllm(
             "prefill", "0",
-            kv_config("kv_producer", live.engine_id("p"), 0, transport, reuse_turns=reuse, **nixl),
+            kv_config("kv_producer", live.engine_id("p"), 0, transport, **extra),
             extra_args=block,
         )  # fmt: skip
         decode = live.vllm(
             "decode", "1",
-            kv_config(role, live.engine_id("d"), free_port(), transport, reuse_turns=reuse, **nixl),
+            kv_config(role, live.engine_id("d"), free_port(), transport, **extra),
             extra_args=["--block-size", str(BLOCK)],
         )  # fmt: skip
         prefill.wait_ready()
@@ -233,7 +237,7 @@ def run(
         reports = asyncio.run(converse(proxy.url, prefill.url, decode.url, parts))
         if faults:
             found = check_faults(prefill, decode, seed, prefix_caching)
-            print(f"[conversations] faults answered from recompute: {found}")
+            print(f"[conversations] faults answered as vLLM alone: {found}")
     assert live.report is not None and live.report.clean, live.report and live.report.problems()
     return reports
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_qaic_proxy import apis, first_token, prompt_lists
+from vllm_qaic_proxy import apis, first_token, prompt_lists, turns
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.legs import (
@@ -152,6 +152,8 @@ class Proxy:
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing, sink)
+            if not body.get("stream") and turns.conversation(api, body) is not None:
+                params = {**(params or {}), "keep_turn": True}  # its ticket comes back to us
             to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
                 to_decode = first.decode_body(body, params or {})

@@ -49,7 +49,7 @@ def counted(sched, name: str) -> list[int]:
 
 def finish_turn(decode, rid: str, prompt: int, answer: int, first: int = 5) -> dict | None:
     """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens; its ticket."""
-    decode.add_request(make_request(rid, prompt, max_tokens=answer, first=first))
+    decode.add_request(make_request(rid, prompt, {"keep_turn": True}, answer, first=first))
     for _ in range(answer):
         _, outputs = step(decode)
         done = [o for outs in outputs.values() for o in outs.outputs if o.request_id == rid]
@@ -80,11 +80,14 @@ def test_a_decode_keeps_a_finished_turn_until_its_ticket_is_released(decode):
     assert sum(kept) == 1
 
 
-def test_an_aborted_or_short_turn_is_not_kept(decode):
+def test_a_turn_not_asked_for_aborted_or_short_is_not_kept(decode):
     total = free_blocks(decode)
     assert finish_turn(decode, "short", 10, 3) is None  # under a block: not worth a lease
+    decode.add_request(make_request("streamed", 40, max_tokens=3))  # no router will take it
+    for _ in range(3):
+        step(decode)
     assert decode.connector.scheduler.pool.pages_in_use == 0
-    decode.add_request(make_request("ab", 40, max_tokens=10))
+    decode.add_request(make_request("ab", 40, {"keep_turn": True}, max_tokens=10))
     step(decode)
     decode.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
     assert decode.connector.scheduler.pool.pages_in_use == 0

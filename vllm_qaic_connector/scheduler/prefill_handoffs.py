@@ -361,14 +361,17 @@ class PrefillHandoffs:
     def _keep_turn(self, request: Request) -> tuple[bool, Any]:
         """A decode's finished turn: its blocks held under a lease, and a ticket for the
         prompt and the answer's tokens but the last (whose KV was never computed), which the
-        conversation's next prefill loads instead of computing. Not kept: an aborted turn,
-        less than a block, KV in more than one full-attention group, or no room."""
+        conversation's next prefill loads instead of computing. Kept where the router asked
+        (``keep_turn``: it will carry the ticket back); not for an aborted turn, less than a
+        block, KV in more than one full-attention group, or without room."""
         rid, block_size = request.request_id, self.engine.geometry.block_size
+        asked = (request.kv_transfer_params or {}).get("keep_turn") is True
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         num_blocks = blocks_for_tokens(num_tokens, block_size)
         one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
         room = sum(self._direct_held.values()) + num_blocks <= self._direct_cap
-        if request.status not in _FINISHED or num_tokens < block_size or not one_group or not room:
+        wanted = asked and one_group and room and num_tokens >= block_size
+        if not wanted or request.status not in _FINISHED:
             return False, None
         if (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
             return False, None
