@@ -16,6 +16,12 @@ Each must answer vLLM's own first token, from recompute.
 
     python -m testbed.conversations [--transport shm|nixl] [--no-prefix-caching]
         [--conversations 8] [--turns 4] [--no-reuse] [--faults] [--json OUT]
+        [--scaled] [--compare --plot PNG]
+
+``--scaled``: a random model with the shipped model's word-level tokenizer (an answer's text
+tokenizes back into its tokens) and 50x its compute, answering 128 tokens a turn, so that
+the prefill's time shows. ``--compare``: the same conversations with reuse and without, with
+each turn's prefill-leg time as a ratio and a plot.
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ import argparse
 import asyncio
 import json
 import random
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,6 +44,7 @@ import requests
 from testbed import copy_task
 from testbed.live_servers import (
     ANSWER_TOKENS,
+    MODEL,
     LiveRun,
     VllmServer,
     complete,
@@ -91,11 +101,32 @@ def kept(url: str) -> float:
     return sum(v for _, v in metric_samples(text, "vllm:qaic_kv_kept_turns_total"))
 
 
+# Every request's sampling: greedy, the copy task's answer length (``--scaled``: longer, and
+# never a special token, which an answer's text would not show).
+SAMPLING: dict[str, Any] = {"max_tokens": ANSWER_TOKENS, "temperature": 0.0}
+
+
+def scaled_model(dest: Path) -> Path:
+    """Random weights in a model 50x the shipped one's compute, with its tokenizer."""
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(MODEL)
+    config.update(dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8))
+    config.update(dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64))
+    config.max_position_embeddings = 4096
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(dest)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(MODEL / name, dest / name)
+    return dest
+
+
 async def ask(
     session: aiohttp.ClientSession, url: str, prompt: str, **extra: Any
 ) -> tuple[dict[str, Any], float]:
     """A greedy completion, and the prefill leg's milliseconds (Server-Timing), if any."""
-    body = {"model": "model", "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0.0}
+    body = {"model": "model", "prompt": prompt, **SAMPLING}
     async with session.post(f"{url}/v1/completions", json={**body, **extra}) as resp:
         answer = await resp.json()
         assert resp.status == 200, f"{url}: HTTP {resp.status} {answer}"
@@ -212,22 +243,22 @@ def run(
     reuse: bool,
     seed: int,
     faults: bool = False,
+    model: Path = MODEL,
 ) -> list[TurnReport]:
-    block = ["--block-size", str(BLOCK)] + (
-        [] if prefix_caching else ["--no-enable-prefix-caching"]
-    )
+    args = ["--block-size", str(BLOCK), "--max-model-len", "4096" if model != MODEL else "1024"]
+    block = args + ([] if prefix_caching else ["--no-enable-prefix-caching"])
     extra: dict[str, Any] = {"reuse_turns": reuse, "nixl_direct_reads": transport == "nixl"}
     with LiveRun("turns") as live:
         role = "kv_both" if reuse else "kv_consumer"
         prefill = live.vllm(
             "prefill", "0",
             kv_config("kv_producer", live.engine_id("p"), 0, transport, **extra),
-            extra_args=block,
+            extra_args=block, model=model,
         )  # fmt: skip
         decode = live.vllm(
             "decode", "1",
             kv_config(role, live.engine_id("d"), free_port(), transport, **extra),
-            extra_args=["--block-size", str(BLOCK)],
+            extra_args=args, model=model,
         )  # fmt: skip
         prefill.wait_ready()
         decode.wait_ready()
@@ -246,13 +277,38 @@ def print_reports(reports: list[TurnReport], label: str) -> None:
     print(f"[conversations] {label}")
     print("turn  prompt  since-last-KV  computed  loaded  cached  kept  leg-ms  alone-ms  equal")
     for r in reports:
-        leg = sorted(r.prefill_ms)[len(r.prefill_ms) // 2]
-        alone = sorted(r.alone_ttft_ms)[len(r.alone_ttft_ms) // 2]
+        leg, alone = median(r.prefill_ms), median(r.alone_ttft_ms)
         print(
             f"{r.turn:>4}  {r.prompt_tokens:>6}  {r.since_last_kv:>13}  {r.computed:>8}  "
             f"{r.loaded:>6}  {r.cached:>6}  {r.kept_turns:>4}  {leg:>6.1f}  {alone:>8.1f}  "
             f"{'yes' if not r.mismatches else len(r.mismatches)}"
         )
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
+
+
+def plot(runs: dict[str, list[TurnReport]], path: str) -> None:
+    """Each turn's median prefill-leg time, per run, beside vLLM alone's TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, reports in runs.items():
+        turns = [r.turn for r in reports]
+        ax.plot(turns, [median(r.prefill_ms) for r in reports], marker="o", label=label)
+    first = next(iter(runs.values()))
+    alone = [median(r.alone_ttft_ms) for r in first]
+    ax.plot([r.turn for r in first], alone, linestyle="--", label="vLLM alone (TTFT)")
+    ax.set(xlabel="turn", ylabel="ms (median)", title="TTFT per turn through the proxy")
+    ax.set_xticks([r.turn for r in first])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"[conversations] plot: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,30 +318,56 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--no-reuse", action="store_true")
+    p.add_argument("--compare", action="store_true", help="with reuse and without")
+    p.add_argument("--scaled", action="store_true", help="a 50x model, 128-token answers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--faults", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of each turn's time (with --compare)")
     args = p.parse_args(argv)
-    reuse = not args.no_reuse
-    reports = run(
-        args.transport, not args.no_prefix_caching, args.conversations, args.turns, reuse,
-        args.seed, args.faults,
-    )  # fmt: skip
     caching = "off" if args.no_prefix_caching else "on"
-    label = (
-        f"{args.conversations} conversations x {args.turns} turns, {args.transport}, prefill "
-        f"prefix caching {caching}, reuse {'on' if reuse else 'off'}"
-    )
-    print_reports(reports, label)
+    setup = f"{args.conversations} conversations x {args.turns} turns, {args.transport}"
+    model, scratch = MODEL, None
+    if args.scaled:
+        scratch = Path(tempfile.mkdtemp(prefix="qaic-scaled-"))
+        model = scaled_model(scratch)
+        specials = {str(i): -100 for i in range(4) if i != 2}  # pad, bos, unk; eos ends
+        SAMPLING.update(max_tokens=128, logit_bias=specials)
+        setup += ", scaled model"
+    modes = [True, False] if args.compare else [not args.no_reuse]
+    runs: dict[str, list[TurnReport]] = {}
+    ok = True
+    try:
+        for reuse in modes:
+            reports = run(
+                args.transport, not args.no_prefix_caching, args.conversations, args.turns,
+                reuse, args.seed, args.faults and reuse, model,
+            )  # fmt: skip
+            label = f"reuse {'on' if reuse else 'off'}"
+            runs[label] = reports
+            print_reports(reports, f"{setup}, prefill prefix caching {caching}, {label}")
+            equal = all(not r.mismatches for r in reports)
+            bounded = all(r.within_bound for r in reports[1:]) or not reuse
+            print(
+                f"[conversations] every turn equal to vLLM alone: {equal}; within bound: {bounded}"
+            )
+            ok &= equal and bounded
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if args.compare:
+        on, off = runs["reuse on"], runs["reuse off"]
+        for a, b in zip(on, off, strict=True):
+            ratio = median(a.prefill_ms) / max(median(b.prefill_ms), 1e-9)
+            alone = median(a.prefill_ms) / max(median(a.alone_ttft_ms), 1e-9)
+            print(f"[conversations] turn {a.turn}: TTFT with reuse {ratio:.2f}x of without, "
+                  f"{alone:.2f}x of vLLM alone's")  # fmt: skip
+        if args.plot:
+            plot(runs, args.plot)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in reports], f, indent=1)
-    equal = all(not r.mismatches for r in reports)
-    bounded = all(r.within_bound for r in reports[1:]) or not reuse
-    print(
-        f"[conversations] every turn equal to vLLM alone: {equal}; computed within bound: {bounded}"
-    )
-    return 0 if equal and bounded else 1
+            json.dump({k: [asdict(r) for r in v] for k, v in runs.items()}, f, indent=1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
