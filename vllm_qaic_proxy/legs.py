@@ -71,22 +71,6 @@ class NotHere(NoAnswer):
     store is per server), so another may; ``body`` is its 404, the answer if none does."""
 
 
-def held(stored: bool, leg: Callable[[str], Awaitable[T]]) -> Callable[[str], Awaitable[T]]:
-    """``leg``, where a ``stored`` response's 404 is NotHere: another backend may hold it."""
-    if not stored:
-        return leg
-
-    async def call(url: str) -> T:
-        try:
-            return await leg(url)
-        except LegError as exc:
-            if exc.status != 404 or isinstance(exc, NoAnswer):
-                raise
-            raise NotHere(404, f"{url} does not hold it", exc.body) from None
-
-    return call
-
-
 def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
     kind = kind or ERROR_TYPES.get(status, "BadRequestError")

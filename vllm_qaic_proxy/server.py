@@ -35,7 +35,6 @@ from vllm_qaic_proxy.legs import (
     answer_of,
     credentials,
     error_body,
-    held,
     response_of,
 )
 from vllm_qaic_proxy.routing import Router
@@ -195,7 +194,15 @@ class Proxy:
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
         the request continues a stored response, which one decode holds (the others 404)."""
         pool = self.router.decodes if leg == "decode" else self.router.prefills
-        call = held(stored, lambda u: self.legs.answer(request, u, body, timing, first, leg, sink))
+
+        async def call(u: str) -> tuple[web.StreamResponse, bool]:
+            try:
+                return await self.legs.answer(request, u, body, timing, first, leg, sink)
+            except LegError as exc:  # a stored response's 404: another decode may hold it
+                if not stored or exc.status != 404 or isinstance(exc, NoAnswer):
+                    raise
+                raise NotHere(404, f"{u} does not hold it", exc.body) from None
+
         return await self.legs.failover(pool, url, call)
 
     async def _prefill_only(
