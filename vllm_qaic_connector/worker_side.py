@@ -113,10 +113,8 @@ class WorkerSide:
         identity, geometry = rank_of(vllm_config, kv_cache_config)
         worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
-        mla = vllm_config.model_config.use_mla
-        worker.layout_name = (
-            "mla_latent" if mla else getattr(kv_cache_config, "kv_cache_layout", None)
-        )
+        layout = getattr(kv_cache_config, "kv_cache_layout", None)
+        worker.layout_name = "mla_latent" if vllm_config.model_config.use_mla else layout
         return worker
 
     # --- registration ----------------------------------------------------------------------
@@ -128,7 +126,6 @@ class WorkerSide:
             kv_caches, self.identity, self.geometry, self.groups, self.layer_modules, layout,
             self.cfg.verify_cpu_layout, self.layout_name,
         )  # fmt: skip
-        tensors = cache.tensors
         name = staging_name(self.identity.engine_id, self.identity.tp_rank, self.incarnation)
         transport = self.transport = create_transport(
             self.cfg.transport, name, self.cfg.pool_bytes, self.cfg.load_timeout_s,
@@ -142,7 +139,7 @@ class WorkerSide:
         one_group = cache.state is None and len(self.groups) <= 1 and dense_blocks(cache)
         one_group &= transport.shares_device_memory or not on_gpu
         direct = one_group and getattr(self.cfg, transport.direct_reads_key)
-        shared = transport.share_kv_cache(tensors, self.identity.produces) if direct else None
+        shared = transport.share_kv_cache(cache.tensors, self.identity.produces) if direct else None
         self.saves = RequestSaves(self.cfg, cache, RegionHeaders(transport.staging), self._copies)
         self.rank_meta = self.peers.ours = rank_metadata(
             self.identity, self.incarnation, cache, self.groups, transport.endpoint(),
@@ -156,7 +153,7 @@ class WorkerSide:
         self.peers.when_resolved(self._loader.dispatch)  # parked loads start at once
         logger.info(
             "QAICConnector worker rank %d: %s layout, %d layers, block %d, %s",
-            self.identity.tp_rank, cache.layout.kind, len(tensors), self.geometry.block_size,
+            self.identity.tp_rank, cache.layout.kind, len(cache.tensors), self.geometry.block_size,
             self.cfg.transport,
         )  # fmt: skip
 
