@@ -146,9 +146,8 @@ class WorkerSide:
             shared if self.identity.produces else None, host_identity() if direct else "",
         )  # fmt: skip
         self.loads = RequestLoads(
-            self.cfg, self.identity, cache, self.rank_meta, transport, self.peers, self._direct,
-            self._copies,
-        )  # fmt: skip
+            self.cfg, cache, self.rank_meta, transport, self.peers, self._direct, self._copies
+        )
         self._loader = Loader(self.loads.load, self.loads.failed, self.cfg.load_timeout_s)
         self.peers.when_resolved(self._loader.dispatch)  # parked loads start at once
         logger.info(

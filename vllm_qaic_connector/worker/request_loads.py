@@ -25,7 +25,7 @@ from vllm_qaic_connector.worker.direct_reads import (
     plan_cache_reads,
 )
 from vllm_qaic_connector.worker.loader import WriteGate
-from vllm_qaic_connector.worker.registration import LocalCache, RankIdentity
+from vllm_qaic_connector.worker.registration import LocalCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +46,16 @@ class RequestLoads:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        identity: RankIdentity,
         cache: LocalCache,
-        ours: RankMetadata,
+        ours: RankMetadata,  # this rank's handshake: its TP place, the model's KV heads
         transport: KVTransport,
         peers: PeerDirectory,
         direct: DirectReader,
         copies: CopyPool,
     ) -> None:
-        self.cfg, self.identity, self.cache, self.ours = cfg, identity, cache, ours
+        self.cfg, self.cache, self.ours = cfg, cache, ours
         self.transport, self.peers, self.direct, self.copies = transport, peers, direct, copies
-        self._tp = identity.tp_size, identity.tp_rank
+        self._tp = ours.tp_size, ours.tp_rank
         self._key = cfg.shared_key  # read once: the property reads the key file each time
         self._releaser = ThreadPoolExecutor(1, thread_name_prefix="qaic-kv-release")
 
@@ -118,7 +117,7 @@ class RequestLoads:
         """Reads each source rank's staged heads (ticket-checked) into our blocks."""
         remote, cache, transport = spec.remote, self.cache, self.transport
         assert remote is not None
-        total, src_tp = self.identity.total_kv_heads, len(ranks)
+        total, src_tp = self.ours.num_kv_heads, len(ranks)
         staged_bs = remote.staged_block_size
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, staged_bs)))
         copied, reads, t0 = 0, 0, time.monotonic()
@@ -163,8 +162,8 @@ class RequestLoads:
         the ticket's header-only region."""
         remote, cache, transport = spec.remote, self.cache, self.transport
         assert remote is not None
-        tp_rank = self.identity.tp_rank
-        src = ranks[tp_rank] if len(ranks) == self.identity.tp_size else None
+        tp_rank = self.ours.tp_rank
+        src = ranks[tp_rank] if len(ranks) == self.ours.tp_size else None
         problem = direct_problem(src, self.ours, len(ranks)) if src else "TP sizes differ"
         staged = (remote.staged_layout, remote.staged_block_size)
         if problem is None and src is not None and staged != (src.layout_kind, src.block_size):
@@ -207,7 +206,7 @@ class RequestLoads:
         the read; None where the transport carries no messages."""
         if not self.transport.delivers_notifications:
             return None
-        me = self.identity
+        me = self.ours
         return ack_message(remote_request_id, me.tp_rank, me.tp_size, src_rank, self._key)
 
     def _loaded(
@@ -231,5 +230,5 @@ class RequestLoads:
 
     def _release_remote(self, spec: LoadSpec) -> None:
         if spec.remote is not None:
-            reader = (self.identity.tp_rank, self.identity.tp_size)
+            reader = (self.ours.tp_rank, self.ours.tp_size)
             side_channel.release(spec.remote, self._key, self.cfg.handshake_timeout_s, reader)
