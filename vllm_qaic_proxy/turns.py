@@ -16,20 +16,12 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_qaic_proxy import apis
 from vllm_qaic_proxy.apis import Api
 
 MAX_KEPT = 1024  # conversations whose next turn may come
-
-
-@dataclass(frozen=True)
-class _Kept:
-    owner: str
-    text: str
-    ticket: dict[str, Any]
 
 
 def conversation(
@@ -59,25 +51,21 @@ def owner(body: dict[str, Any], auth: dict[str, str]) -> str:
 
 
 class Turns:
-    """Kept turns' tickets, newest last."""
+    """Kept turns' tickets by (owner, conversation), oldest first."""
 
     def __init__(self, release: Callable[[dict[str, Any]], None]) -> None:
-        self._kept: list[_Kept] = []
+        self._kept: dict[tuple[str, str], dict[str, Any]] = {}
         self._release = release
 
     def take(self, api: Api, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any] | None:
         """The ticket of the longest kept conversation this request continues (taken)."""
         text, now = conversation(api, body), time.time()
-        self._kept = [k for k in self._kept if k.ticket.get("expires_at", 0) > now]
+        self._kept = {k: t for k, t in self._kept.items() if t.get("expires_at", 0) > now}
         if text is None:
             return None
         who = owner(body, auth)
-        ours = [k for k in self._kept if k.owner == who and text.startswith(k.text)]
-        if not ours:
-            return None
-        best = max(ours, key=lambda k: len(k.text))
-        self._kept.remove(best)
-        return best.ticket
+        ours = [(w, t) for w, t in self._kept if w == who and text.startswith(t)]
+        return self._kept.pop(max(ours, key=lambda k: len(k[1]))) if ours else None
 
     def keep(
         self, api: Api, body: dict[str, Any], auth: dict[str, str], answer: dict[str, Any]
@@ -87,6 +75,9 @@ class Turns:
         text = conversation(api, body, answer)
         if not isinstance(ticket, dict) or not ticket.get("do_remote_prefill") or text is None:
             return
-        self._kept.append(_Kept(owner(body, auth), text, ticket))
+        key = (owner(body, auth), text)
+        if (replaced := self._kept.pop(key, None)) is not None:  # the same turn, again
+            self._release(replaced)
+        self._kept[key] = ticket
         while len(self._kept) > MAX_KEPT:
-            self._release(self._kept.pop(0).ticket)
+            self._release(self._kept.pop(next(iter(self._kept))))

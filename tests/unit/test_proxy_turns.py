@@ -101,3 +101,14 @@ def test_an_expired_ticket_is_dropped_and_the_oldest_released_past_the_limit(
             apis.COMPLETIONS, {"model": "m", "prompt": f"p{n}"}, ALICE, completion(" a", ticket(n))
         )
     assert [t["remote_request_id"] for t in released] == ["t1"]  # the decode frees it now
+
+
+def test_the_same_turn_kept_again_releases_the_ticket_it_replaces(kept, released):
+    body = {"model": "m", "prompt": "a b"}
+    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(1)))
+    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(2)))
+    assert [t["remote_request_id"] for t in released] == ["t1"]
+    assert (
+        kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE)["remote_request_id"]
+        == "t2"
+    )
