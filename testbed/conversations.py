@@ -143,18 +143,24 @@ async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> float:
 async def converse(
     proxy: str, prefill: str, decode: str, parts: list[list[str]]
 ) -> list[TurnReport]:
-    """vLLM alone's conversations first (salted), then the same turns through the proxy."""
+    """vLLM alone's conversations first (salted; each turn's TTFT, then its answer), then
+    the same turns through the proxy. Both interleaved: every conversation's turn at once."""
     reports = [TurnReport(k + 1) for k in range(len(parts[0]))]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        expected: list[list[str]] = []
-        for conv in parts:
-            history, answers = "", []
-            for part in conv:
-                history += part
-                answer, _ = await ask(session, prefill, history, cache_salt="reference")
-                answers.append(answer["choices"][0]["text"])
-                history += answers[-1]
-            expected.append(answers)
+        expected: list[list[str]] = [[] for _ in parts]
+        histories = [""] * len(parts)
+        for k, report in enumerate(reports):
+            prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
+            # Its prefix cache (where on) holds each conversation up to this question.
+            report.alone_ttft_ms = await asyncio.gather(
+                *(ttft(session, prefill, p) for p in prompts)
+            )
+            got = await asyncio.gather(
+                *(ask(session, prefill, p, cache_salt="reference") for p in prompts)
+            )
+            for i, (answer, _) in enumerate(got):
+                expected[i].append(answer["choices"][0]["text"])
+                histories[i] = prompts[i] + expected[i][-1]
         histories = [""] * len(parts)
         last_kv = [0] * len(parts)  # tokens the last turn's KV covers, per conversation
         for k, report in enumerate(reports):
@@ -174,11 +180,6 @@ async def converse(
                 last_kv[i] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
                 report.prefill_ms.append(prefill_ms)
                 histories[i] = prompts[i] + text
-            # vLLM alone's TTFT for the turn's prompts, all at once, its prefix cache (where
-            # on) holding the conversation so far: an aggregated server serving it.
-            report.alone_ttft_ms = await asyncio.gather(
-                *(ttft(session, prefill, p) for p in prompts)
-            )
     return reports
 
 
