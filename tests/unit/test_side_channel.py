@@ -206,7 +206,7 @@ def test_check_ranks_accepts_valid_and_names_the_bad_field():
         "rank 0 head_size must be > 0": [rank(head_size=0)],
         "rank 0 num_kv_heads must be > 0": [rank(num_kv_heads=0)],
         "rank 0 num_layers must be > 0": [rank(num_layers=0)],
-        "rank 0 tp_size must be >= 1, got 0": [rank(tp_size=0)],
+        "rank 0 tp_size must be > 0, got 0": [rank(tp_size=0)],
         "rank 0 tp_size is 2 but the reply has 1 ranks": [rank(tp_size=2)],
         "rank 1 has tp_rank 2": [rank(tp_size=2), rank(tp_rank=2, tp_size=2)],
         "rank 0 has tp_rank 1": [rank(tp_rank=1, tp_size=2), rank(tp_size=2)],

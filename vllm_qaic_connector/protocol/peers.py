@@ -32,7 +32,7 @@ from vllm_qaic_connector.protocol.wire import (
 logger = get_logger(__name__)  # inside vLLM's logger tree, so it is printed
 RETRY_AFTER_S = 2.0
 HANDSHAKE_ATTEMPTS = 3
-_POSITIVE = ("block_size", "num_blocks", "head_size", "num_kv_heads", "num_layers")
+_POSITIVE = ("block_size", "num_blocks", "head_size", "num_kv_heads", "num_layers", "tp_size")
 # Engine-wide facts: every rank of one engine must state the same.
 _AGREED = (
     "engine_id", "tp_size", "layout_kind", "block_size", "num_layers", "num_kv_heads",
@@ -74,8 +74,6 @@ def check_ranks(ranks: list[RankMetadata]) -> str | None:
         for field in _POSITIVE:
             if getattr(r, field) <= 0:
                 return f"rank {i} {field} must be > 0, got {getattr(r, field)}"
-        if r.tp_size < 1:
-            return f"rank {i} tp_size must be >= 1, got {r.tp_size}"
         if r.tp_size != len(ranks):
             return f"rank {i} tp_size is {r.tp_size} but the reply has {len(ranks)} ranks"
         if r.tp_rank != i:
