@@ -206,16 +206,12 @@ class SchedulerSide:
         return held and time.monotonic() < self.pool.last_allocated + STEP_AFTER_STAGING_S
 
     def pool_stats(self) -> QAICConnectorStats:
-        stats = QAICConnectorStats()
+        stats, self.handoffs.stats = self.handoffs.stats, QAICConnectorStats()
         self._published_pages = self.pool.pages_in_use
         stats.set("staging_pages_in_use", self._published_pages)
         stats.set("staging_pages_total", self.pool.num_pages)
         stats.add("lease_expiries", self.releases.take_expired())
         stats.add("handshakes", self.peers.take_handshakes())
-        stats.add("preempted_handoffs", self.handoffs.preemptions)
-        stats.add("kept_turns", self.handoffs.kept_turns)
-        stats.add("evicted_turns", self.handoffs.evicted_turns)
-        self.handoffs.preemptions = self.handoffs.kept_turns = self.handoffs.evicted_turns = 0
         return stats
 
     def shutdown(self) -> None:

@@ -30,6 +30,7 @@ from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import RankMetadata, RemotePrefill, prompt_hash, ticket_mac
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
+from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import SaveSpec
 from vllm_qaic_connector.tickets import HEADER_BYTES, generations
 
@@ -121,8 +122,7 @@ class PrefillHandoffs:
         self._direct_cap = engine.num_blocks // 2
         self._named_at: dict[str, float] = {}  # decodes requests named, when last
         self._generations = generations()
-        # For stats, taken by the scheduler side.
-        self.preemptions = self.kept_turns = self.evicted_turns = 0
+        self.stats = QAICConnectorStats()  # counters, taken by the scheduler side's stats
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
             peers.poll(host, port)
 
@@ -263,7 +263,7 @@ class PrefillHandoffs:
         reading blocks vLLM just freed."""
         preempted = out.preempted_req_ids or set()
         ours = sorted(r for r in preempted if (o := self._outgoing.get(r)) and o.saved_to)
-        self.preemptions += len(ours)
+        self.stats.add("preempted_handoffs", len(ours))
         return ours
 
     def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
@@ -319,7 +319,7 @@ class PrefillHandoffs:
         while self._turns and free < self.engine.num_blocks // 8:
             rid = self._turns.pop(0)
             free += self._direct_held[rid]
-            self.evicted_turns += self.pool.release(rid)
+            self.stats.add("evicted_turns", self.pool.release(rid))
 
     # --- when the request finishes --------------------------------------------------------
 
@@ -390,7 +390,7 @@ class PrefillHandoffs:
         self._seals.append(spec)
         self._direct_held[rid] = num_blocks
         self._turns.append(rid)
-        self.kept_turns += 1
+        self.stats.add("kept_turns")
         return True, msgspec.to_builtins(self._ticket(request, spec))
 
     def _ticket(self, request: Request, spec: SaveSpec) -> RemotePrefill:
