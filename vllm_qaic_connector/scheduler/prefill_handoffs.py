@@ -65,6 +65,8 @@ class _Outgoing:
     error: str | None = None
     starts: tuple[int, ...] | None = None  # first staged token per group, fixed at its first save
     saved_to: int = 0  # tokens staged so far
+    request: Request | None = None  # blocks allocated, and the prompt not all saved yet
+    staged: SaveSpec | None = None  # its last save, which seals the ticket's header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +114,6 @@ class PrefillHandoffs:
         self.kv_cache_manager: KVCacheManager | None = None
         self._layer_groups = layer_groups(engine.groups, ordered_layers(engine.groups))
         self._outgoing: dict[str, _Outgoing] = {}
-        self._to_save: dict[str, Request] = {}
-        self._staged: dict[str, SaveSpec] = {}
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
         self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
         self._turns: list[str] = []  # kept turns (also in _direct_held), oldest first
@@ -195,7 +195,8 @@ class PrefillHandoffs:
 
     def will_save(self, request: Request) -> None:
         """Its blocks are allocated: save each chunk as it is computed."""
-        self._to_save[request.request_id] = request
+        if (out := self._outgoing.get(request.request_id)) is not None:
+            out.request = request
 
     def _resolve_target(
         self, rid: str, params: dict[str, Any], since: float
@@ -235,26 +236,25 @@ class PrefillHandoffs:
 
     def saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
         saves, self._seals = self._seals, []
-        for rid, req in list(self._to_save.items()):
-            scheduled = out.num_scheduled_tokens.get(rid, 0)
-            if scheduled == 0:
+        for rid, outgoing in self._outgoing.items():
+            req, scheduled = outgoing.request, out.num_scheduled_tokens.get(rid, 0)
+            if req is None or scheduled == 0:
                 continue
             # build_connector_meta runs before the scheduler advances num_computed_tokens.
             last = min(req.num_computed_tokens + scheduled, req.num_prompt_tokens)
             final = last >= req.num_prompt_tokens
             if final:
-                del self._to_save[rid]
-            outgoing = self._outgoing.get(rid)
-            if outgoing is None or outgoing.offset is None or outgoing.target is None:
+                outgoing.request = None
+            if outgoing.offset is None or outgoing.target is None:
                 continue  # no staging (its error travels back in finished())
             if not self.pool.renew(rid):
                 outgoing.error = "staging lease expired before the prompt finished"
-                self._to_save.pop(rid, None)
+                outgoing.request = None
                 continue
             spec = self._save_spec(req, outgoing, last, final)
             outgoing.saved_to = max(outgoing.saved_to, last)  # a preempted one recomputes
             if final:
-                self._staged[rid] = spec
+                outgoing.staged = spec
             saves.append(spec)
         return saves
 
@@ -328,25 +328,23 @@ class PrefillHandoffs:
         decode loads with (or the error that kept it from staging). ``loading``: it is
         still loading KV of its own, so its blocks stay held and nothing is handed off."""
         rid = request.request_id
-        self._to_save.pop(rid, None)
         out = self._outgoing.pop(rid, None)
         if loading:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
             # when the worker reports the load finished.
             return True, None
-        if out is None and self.cfg.reuse_turns:
-            return self._keep_turn(request)
+        if out is None:  # no handoff: with reuse_turns, a decode's turn may be kept
+            return self._keep_turn(request) if self.cfg.reuse_turns else (False, None)
         # Saves run on the worker's own thread, after the step: the blocks they read stay
         # held until the worker reports them finished sending.
-        direct = out is not None and out.target is not None and out.target.direct
-        hold = self.cfg.async_saves and out is not None and out.saved_to > 0 and not direct
+        direct = out.target is not None and out.target.direct
+        hold = self.cfg.async_saves and out.saved_to > 0 and not direct
         if hold:
             self._await_saves.append(rid)
-        spec = self._staged.pop(rid, None)
         # Reserved, never (wholly) staged; or aborted: nobody will come for it.
-        if spec is None or request.status not in _FINISHED:
+        if (spec := out.staged) is None or request.status not in _FINISHED:
             self.pool.release(rid)
-            error = out.error if spec is None and out is not None else None
+            error = out.error if spec is None else None
             return hold, None if error is None else {"do_remote_prefill": False, "error": error}
         # The lease runs from the hand-out: nobody could read the ticket before, and the
         # step may have been long (vLLM compiles its logprob kernel at a server's first
