@@ -79,24 +79,6 @@ class SideChannelTimeout(ConnectionError, TimeoutError):
     """The peer did not answer in time (it may be busy, or gone)."""
 
 
-class _Complaints:
-    """One warning per interval, the rest at debug: a flood of garbage must not flood the log."""
-
-    def __init__(self) -> None:
-        self._last = -COMPLAIN_EVERY_S
-        self._quiet = 0
-
-    def __call__(self, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last < COMPLAIN_EVERY_S:
-            self._quiet += 1
-            logger.debug("QAICConnector side channel: " + fmt, *args)
-            return
-        suffix = f" ({self._quiet} similar since the last warning)" if self._quiet else ""
-        logger.warning("QAICConnector side channel: " + fmt + suffix, *args)
-        self._last, self._quiet = now, 0
-
-
 class SideChannelServer:
     """Serves handshake and release messages on a daemon thread."""
 
@@ -114,10 +96,22 @@ class SideChannelServer:
             raise
         self._handler, self._key = handler, key
         self._replays = ReplayGuard()  # only this thread touches it
-        self._complain = _Complaints()
+        self._complained_at, self._quiet = -COMPLAIN_EVERY_S, 0  # see _complain
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="qaic-side-channel", daemon=True)
         self._thread.start()
+
+    def _complain(self, fmt: str, *args: object) -> None:
+        """One warning per interval, the rest at debug: a flood of garbage must not flood the
+        log. Only the serving thread complains."""
+        now = time.monotonic()
+        if now - self._complained_at < COMPLAIN_EVERY_S:
+            self._quiet += 1
+            logger.debug("QAICConnector side channel: " + fmt, *args)
+            return
+        suffix = f" ({self._quiet} similar since the last warning)" if self._quiet else ""
+        logger.warning("QAICConnector side channel: " + fmt + suffix, *args)
+        self._complained_at, self._quiet = now, 0
 
     def _serve(self) -> None:
         poller = zmq.Poller()
