@@ -350,11 +350,10 @@ class PrefillHandoffs:
         # step may have been long (vLLM compiles its logprob kernel at a server's first
         # logprobs request: 11 s here, which spent a 2 s lease before the ticket was out).
         self.pool.renew(rid)
-        params = self._ticket(request, spec)
         if spec.direct:  # its blocks are the KV: held until the lease is released or ends
             self._direct_held[rid] = len(spec.block_ids[0])
             hold = True
-        return hold, msgspec.to_builtins(params)
+        return hold, self._ticket(request, spec)
 
     def _keep_turn(self, request: Request) -> tuple[bool, Any]:
         """A decode's finished turn: its blocks held under a lease, and a ticket for the
@@ -389,9 +388,10 @@ class PrefillHandoffs:
         self._direct_held[rid] = num_blocks
         self._turns.append(rid)
         self.stats.add("kept_turns")
-        return True, msgspec.to_builtins(self._ticket(request, spec))
+        return True, self._ticket(request, spec)
 
-    def _ticket(self, request: Request, spec: SaveSpec) -> RemotePrefill:
+    def _ticket(self, request: Request, spec: SaveSpec) -> Any:
+        """The ticket for ``spec``'s KV, as the ``kv_transfer_params`` vLLM hands back."""
         # A kept turn's tokens run on into the answer's; prompt embeddings have none.
         tokens = request.all_token_ids if request.prompt_token_ids is not None else []
         params = RemotePrefill(
@@ -416,4 +416,4 @@ class PrefillHandoffs:
         )
         if (key := self.cfg.shared_key) is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, key))
-        return params
+        return msgspec.to_builtins(params)
