@@ -73,9 +73,8 @@ class SchedulerSide:
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step
-        self._key = cfg.shared_key
         self.loads = DecodeLoads(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
-        self.peers = PeerDirectory(self.engine_id, self._key, cfg.handshake_timeout_s)
+        self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).
         self.releases = StagingReleases(self.pool, has_state(self.groups))
@@ -84,13 +83,13 @@ class SchedulerSide:
         port = cfg.side_channel_port and (
             cfg.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
-        self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, self._key)
+        self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, cfg.shared_key)
         engine = PrefillEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port,
             answer_cap(vllm_config.model_config),
         )  # fmt: skip
         self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
-        if self._key is None and not is_loopback(cfg.side_channel_host):
+        if cfg.shared_key is None and not is_loopback(cfg.side_channel_host):
             logger.warning(
                 "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
                 "anyone who reaches it can read staged KV and free staging",
