@@ -49,18 +49,18 @@ class LeaseRenewer:
         with self._lock:
             return self._holds_until.get(request_id, 0.0)
 
-    def drop(self, request_id: str) -> None:
+    def drop(self, request_id: str) -> RemotePrefill | None:
+        """Stops renewing the request's lease; returns the ticket it renewed, if any."""
         with self._lock:
-            self._wanted.pop(request_id, None)
             self._holds_until.pop(request_id, None)
+            return self._wanted.pop(request_id, None)
 
     def release(self, request_id: str) -> None:
         """The request is gone before its KV was read (aborted, dropped): the prefill frees
         its staging now, not at the lease's end (in the background: never the scheduler's
         wait), unless another request here still wants the same ticket."""
+        remote = self.drop(request_id)
         with self._lock:
-            remote = self._wanted.pop(request_id, None)
-            self._holds_until.pop(request_id, None)
             others = {_staged_at(r) for r in self._wanted.values()}
         # Not while a sibling (n > 1) that shares the ticket still wants it.
         if remote is not None and _staged_at(remote) not in others:
