@@ -142,8 +142,7 @@ class DecodeLoads:
 
     def take(self) -> list[LoadSpec]:
         """This step's loads, for the worker."""
-        loads = list(self._pending.values())
-        self._pending.clear()
+        loads, self._pending = list(self._pending.values()), {}
         self._loading.update(spec.request_id for spec in loads)
         return loads
 
