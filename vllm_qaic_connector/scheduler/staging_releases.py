@@ -32,8 +32,7 @@ class StagingReleases:
             return  # nothing staged under that id (any more), or a nonsense reader
         try:
             needed = reads_needed(total_heads, src_tp, ack.reader_tp, self.with_state)
-            sources = ack.source_ranks
-            if sources is None:
+            if (sources := ack.source_ranks) is None:
                 args = (total_heads, src_tp, ack.reader_tp, ack.reader_rank, self.with_state)
                 sources = source_ranks(*args)
         except ValueError as exc:
