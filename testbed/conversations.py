@@ -274,7 +274,8 @@ def run(
         )  # fmt: skip
         prefill.wait_ready()
         decode.wait_ready()
-        proxy = live.proxy([prefill.url], [decode.url], [decode.side_channel])
+        options = ("--reuse-turns",) if reuse else ()
+        proxy = live.proxy([prefill.url], [decode.url], [decode.side_channel], options=options)
         proxy.wait_ready()
         parts = questions(conversations, turns, seed)
         reports = asyncio.run(converse(proxy.url, prefill.url, decode.url, parts))

@@ -702,10 +702,11 @@ class LiveRun:
         decodes: list[str],
         decode_kvs: list[str] | None = None,
         host: str = "127.0.0.1",
+        options: tuple[str, ...] = (),
     ) -> Server:
         port = free_port()
         argv = [str(PY), "-m", "vllm_qaic_proxy", "--host", host, "--port", str(port)]
-        argv += ["--prefill", *prefills, "--decode", *decodes]
+        argv += ["--prefill", *prefills, "--decode", *decodes, *options]
         if decode_kvs:
             argv += ["--decode-kv", *decode_kvs]
         server = Server("proxy", argv, {**os.environ, "PYTHONUNBUFFERED": "1"}, self.dir, port)

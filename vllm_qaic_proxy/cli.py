@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     add("--first-token", choices=("prefill", "decode"), default="prefill",
         help="prefill: where the decode can continue from it, the prefill's token is "
         "the client's first; decode: the decode's is, as in vLLM's toy proxy")  # fmt: skip
+    add("--reuse-turns", action="store_true",
+        help="the decodes keep turns (reuse_turns): ask them to, and give each ticket to the "
+        "prefill of the conversation's next turn")  # fmt: skip
     add("--host", default="127.0.0.1",
         help="as vLLM's --host: '::' takes IPv6 and IPv4 clients")  # fmt: skip
     add("--port", type=int, default=8000)
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         decode_timeout_s=args.decode_timeout_s,
         key=load_key(args.side_channel_key_file),
         first_token_from_prefill=args.first_token == "prefill",
+        reuse_turns=args.reuse_turns,
     )
     web.run_app(
         proxy.app(), host=listen_hosts(args.host), port=args.port, print=None, loop=_event_loop(),

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_qaic_proxy import apis, first_token, prompt_lists, turns
+from vllm_qaic_proxy import apis, first_token, prompt_lists
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.legs import (
@@ -62,12 +62,13 @@ class Proxy:
         decode_timeout_s: float | None = None,
         key: bytes | None = None,
         first_token_from_prefill: bool = True,
+        reuse_turns: bool = False,
     ) -> None:
         self.router = Router(prefills, decodes, routing)
         self._decode_kv = dict(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
         self._first_from_prefill = first_token_from_prefill
         self.legs = Legs(prefill_timeout_s, decode_timeout_s, key)
-        self.turns = Turns(self.legs.release)
+        self.turns = Turns(self.legs.release, reuse_turns)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = None
@@ -151,8 +152,8 @@ class Proxy:
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing, sink)
-            if not body.get("stream") and turns.conversation(api, body) is not None:
-                params = {**(params or {}), "keep_turn": True}  # its ticket comes back to us
+            if self.turns.wanted(api, body):  # its ticket comes back to us
+                params = {**(params or {}), "keep_turn": True}
             to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
@@ -161,7 +162,11 @@ class Proxy:
                 response, done = await self._answer(
                     request, "decode", decode_url, to_decode, first, timing, stored, sink
                 )
-                if isinstance(response, web.Response) and response.status == 200:
+                if (
+                    self.turns.enabled
+                    and isinstance(response, web.Response)
+                    and response.status == 200
+                ):
                     self.turns.keep(api, body, auth, answer_of(response)[1])
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer

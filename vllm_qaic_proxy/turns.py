@@ -51,17 +51,23 @@ def owner(body: dict[str, Any], auth: dict[str, str]) -> str:
 
 
 class Turns:
-    """Kept turns' tickets by (owner, conversation), oldest first."""
+    """Kept turns' tickets by (owner, conversation), oldest first; ``enabled``: the
+    engines keep turns (``--reuse-turns``), else nothing is asked or kept."""
 
-    def __init__(self, release: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(self, release: Callable[[dict[str, Any]], None], enabled: bool = True) -> None:
         self._kept: dict[tuple[str, str], dict[str, Any]] = {}
-        self._release = release
+        self._release, self.enabled = release, enabled
+
+    def wanted(self, api: Api, body: dict[str, Any]) -> bool:
+        """Whether to ask the decode to keep this turn: its ticket would come back to us
+        (a whole answer, not a stream) for a conversation we can tell."""
+        return self.enabled and not body.get("stream") and conversation(api, body) is not None
 
     def take(self, api: Api, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any] | None:
         """The ticket of the longest kept conversation this request continues (taken)."""
         text, now = conversation(api, body), time.time()
         self._kept = {k: t for k, t in self._kept.items() if t.get("expires_at", 0) > now}
-        if text is None:
+        if text is None or not self.enabled:
             return None
         who = owner(body, auth)
         ours = [(w, t) for w, t in self._kept if w == who and text.startswith(t)]

@@ -112,3 +112,19 @@ def test_the_same_turn_kept_again_releases_the_ticket_it_replaces(kept, released
         kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE)["remote_request_id"]
         == "t2"
     )
+
+
+def test_without_reuse_turns_nothing_is_asked_or_kept(released):
+    off = Turns(released.append, enabled=False)
+    body = {"model": "m", "prompt": "a b"}
+    assert not off.wanted(apis.COMPLETIONS, body)
+    assert not off.wanted(apis.COMPLETIONS, {**body, "stream": True})  # (on, too: no ticket)
+    off.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(1)))
+    assert off.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE) is None
+
+
+def test_a_whole_answer_s_turn_is_asked_a_stream_s_is_not(kept):
+    body = {"model": "m", "prompt": "a b"}
+    assert kept.wanted(apis.COMPLETIONS, body)
+    assert not kept.wanted(apis.COMPLETIONS, {**body, "stream": True})
+    assert not kept.wanted(apis.RESPONSES, {"model": "m", "input": "a b"})
