@@ -5,6 +5,8 @@ exactly those tokens."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -12,6 +14,7 @@ from vllm.v1.request import RequestStatus
 from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import BS, free_blocks, make_request, make_scheduler, meta, step
 from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import ReleaseRequest, prompt_hash
 
 REUSE = {"reuse_turns": True, "lease_s": 60.0}
@@ -114,14 +117,16 @@ def test_the_next_prefill_loads_the_history_its_prompt_begins_with(decode, prefi
     assert out.num_scheduled_tokens["p2"] == len(new_turn) - 49  # the new turn's tokens only
 
 
-@pytest.mark.parametrize("edit", ["a token edited mid-way", "the history cut short"])
+@pytest.mark.parametrize("edit", ["a token edited mid-way", "the history cut short", "expired"])
 def test_a_prompt_that_does_not_begin_with_the_turn_computes_it(decode, prefill, edit):
     ticket = finish_turn(decode, "t1", 40, 10)
     history = make_request("x", 40).prompt_token_ids + [7] * 9
     if edit == "a token edited mid-way":
         history[20] += 1
-    else:
+    elif edit == "the history cut short":
         history = history[:30]
+    else:  # unsigned here: a router could not have edited a signed one
+        ticket["expires_at"] = time.time() - 1
     req = make_request("p2", len(history) + 5, {"do_remote_decode": True, "earlier_turns": ticket})
     req.prompt_token_ids[: len(history)] = history
     req._all_token_ids[: len(history)] = history
@@ -151,3 +156,28 @@ def test_a_decode_that_keeps_turns_must_produce_too():
 def test_a_turn_s_load_that_fails_must_be_recomputed_not_fail_the_request():
     with pytest.raises(ValueError, match="kv_load_failure_policy recompute"):
         make_scheduler("kv_producer", BS, REUSE)
+
+
+@pytest.mark.parametrize("edit", [{}, {"num_tokens": 17}, {"block_ids": [0, 1, 2, 3]}])
+def test_with_a_key_a_turn_s_ticket_is_signed_and_an_edited_one_ignored(monkeypatch, edit):
+    monkeypatch.setenv(KEY_ENV, "k" * 32)
+    decode = make_scheduler("kv_both", BS, REUSE, engine_id="dec", load_failure_policy="recompute")
+    prefill = make_scheduler("kv_producer", BS, REUSE, load_failure_policy="recompute")
+    try:
+        for sched in (decode, prefill):
+            sched.connector.scheduler.set_rank_metadata([rank_meta()])
+        ticket = finish_turn(decode, "t1", 40, 10)
+        assert ticket is not None and len(ticket["ticket_mac"]) == 64
+        prompt = make_request("x", 40).prompt_token_ids + [7] * 10 + [300, 301, 302]
+        req = make_request(
+            "p2", len(prompt), {"do_remote_decode": True, "earlier_turns": {**ticket, **edit}}
+        )
+        req.prompt_token_ids[:] = prompt
+        req._all_token_ids[:] = prompt
+        prefill.add_request(req)
+        out, _ = step(prefill)
+        loaded = [(load.remote.num_tokens, load.error) for load in meta(out).loads]
+        assert loaded == ([] if edit else [(49, None)])
+    finally:
+        decode.connector.shutdown()
+        prefill.connector.shutdown()
