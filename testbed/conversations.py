@@ -134,6 +134,12 @@ async def ask(
     return answer, float(timing.rpartition("dur=")[2] or 0)
 
 
+def what_counts(answer: dict[str, Any]) -> tuple[Any, ...]:
+    """What must equal vLLM alone's: the text, why it ended, and the usage."""
+    choice = answer["choices"][0]
+    return choice["text"], choice["finish_reason"], choice.get("stop_reason"), answer["usage"]
+
+
 async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> float:
     t0 = time.monotonic()
     await ask(session, url, prompt, max_tokens=1, cache_salt="reference")
@@ -147,7 +153,7 @@ async def converse(
     the same turns through the proxy. Both interleaved: every conversation's turn at once."""
     reports = [TurnReport(k + 1) for k in range(len(parts[0]))]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        expected: list[list[str]] = [[] for _ in parts]
+        expected: list[list[tuple[Any, ...]]] = [[] for _ in parts]
         histories = [""] * len(parts)
         for k, report in enumerate(reports):
             prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
@@ -159,8 +165,8 @@ async def converse(
                 *(ask(session, prefill, p, cache_salt="reference") for p in prompts)
             )
             for i, (answer, _) in enumerate(got):
-                expected[i].append(answer["choices"][0]["text"])
-                histories[i] = prompts[i] + expected[i][-1]
+                expected[i].append(what_counts(answer))
+                histories[i] = prompts[i] + answer["choices"][0]["text"]
         histories = [""] * len(parts)
         last_kv = [0] * len(parts)  # tokens the last turn's KV covers, per conversation
         for k, report in enumerate(reports):
@@ -173,8 +179,8 @@ async def converse(
             report.kept_turns = int(kept(decode) - kept_before)
             for i, (answer, prefill_ms) in enumerate(got):
                 text, usage = answer["choices"][0]["text"], answer["usage"]
-                if text != expected[i][k]:
-                    report.mismatches.append(f"conversation {i}: {text!r} != {expected[i][k]!r}")
+                if (got_i := what_counts(answer)) != expected[i][k]:
+                    report.mismatches.append(f"conversation {i}: {got_i} != {expected[i][k]}")
                 report.prompt_tokens += usage["prompt_tokens"]
                 report.since_last_kv += usage["prompt_tokens"] - last_kv[i]
                 last_kv[i] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
