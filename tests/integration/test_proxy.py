@@ -1145,3 +1145,40 @@ async def test_the_proxy_runs_with_torch_vllm_and_numpy_absent(
         proc.terminate()
         out, _ = await proc.communicate()
     assert b"Error" not in out, out.decode()[-2000:]
+
+
+class TurnKeeper(Decode):
+    """A decode with ``reuse_turns``: a turn it is asked to keep comes back with a ticket."""
+
+    def __init__(self, side_port: int) -> None:
+        super().__init__()
+        self.side_port = side_port
+
+    def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        answer = super().answer_for(body)
+        if (body.get("kv_transfer_params") or {}).get("keep_turn") is True:
+            answer["kv_transfer_params"] = staged(f"turn-{len(self.requests)}", self.side_port)
+        return answer
+
+
+async def test_with_reuse_turns_the_next_turn_s_prefill_gets_the_kept_turn_and_it_is_released(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    decode = TurnKeeper(side.server.port)
+    await decode.start()
+    alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+    try:
+        async with proxy([prefill.url], [decode.url], reuse_turns=True) as client:
+            first = {**PROMPT, "prompt": "hi"}
+            resp = await client.post("/v1/completions", json=first, headers=alice)
+            said = (await resp.json())["choices"][0]["text"]
+            assert decode.requests[0][1]["kv_transfer_params"]["keep_turn"] is True
+            later = {**PROMPT, "prompt": f"hi{said} and then?"}
+            await client.post("/v1/completions", json=later, headers=bob)  # not bob's turn
+            await client.post("/v1/completions", json=later, headers=alice)
+            await client.post("/v1/completions", json=later, headers=alice)  # taken once
+        turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+        assert [t and t["remote_request_id"] for t in turns] == [None, None, "turn-1", None]
+        assert "turn-1" in await side.wait_released("turn-1")  # the decode may free it
+    finally:
+        await decode.stop()
