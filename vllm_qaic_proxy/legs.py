@@ -87,7 +87,7 @@ class Legs:
             prefill_timeout_s, decode_timeout_s, key,
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
-        self._releases: set[asyncio.Future[bool]] = set()
+        self._releases: set[asyncio.Future[None]] = set()
         self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
 
     async def start(self, _: web.Application) -> None:

@@ -194,17 +194,16 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
 
 def release(
     remote: RemotePrefill, key: bytes | None, timeout_s: float, reader: tuple[int, int] = (0, 1)
-) -> bool:
+) -> None:
     """Tells the prefill that ``remote``'s staging is no longer wanted here (read, refused
     or abandoned by the decode rank ``reader``: its rank and TP size), so it frees it now
-    rather than at the lease's end. False where the prefill cannot be reached."""
+    rather than at the lease's end. A prefill that cannot be reached is logged: its lease
+    frees the staging."""
     msg = ReleaseRequest([remote.remote_request_id], *reader)
     try:
         call(remote.remote_host, remote.remote_port, msg, key, timeout_s)
-        return True
     except ConnectionError as exc:
         logger.warning(
             "QAICConnector: could not release staging of %s at %s:%d (its lease will): %s",
             remote.remote_request_id, remote.remote_host, remote.remote_port, exc,
         )  # fmt: skip
-        return False
