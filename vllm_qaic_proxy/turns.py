@@ -60,15 +60,16 @@ class Turns:
 
     def wanted(self, api: Api, body: dict[str, Any]) -> bool:
         """Whether to ask the decode to keep this turn: its ticket would come back to us
-        (a whole answer, not a stream) for a conversation we can tell."""
-        return self.enabled and not body.get("stream") and conversation(api, body) is not None
+        (a whole answer of one choice, not a stream) for a conversation we can tell."""
+        one = not body.get("stream") and body.get("n") in (None, 1)
+        return self.enabled and one and conversation(api, body) is not None
 
     def take(self, api: Api, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any] | None:
         """The ticket of the longest kept conversation this request continues (taken)."""
-        text, now = conversation(api, body), time.time()
-        self._kept = {k: t for k, t in self._kept.items() if t.get("expires_at", 0) > now}
-        if text is None or not self.enabled:
+        if not self.enabled or (text := conversation(api, body)) is None:
             return None
+        now = time.time()
+        self._kept = {k: t for k, t in self._kept.items() if t.get("expires_at", 0) > now}
         who = owner(body, auth)
         ours = [(w, t) for w, t in self._kept if w == who and text.startswith(t)]
         return self._kept.pop(max(ours, key=lambda k: len(k[1]))) if ours else None
@@ -78,8 +79,10 @@ class Turns:
     ) -> None:
         """Keeps the ticket a decode answered a turn with, if any."""
         ticket = answer.get("kv_transfer_params")
-        text = conversation(api, body, answer)
-        if not isinstance(ticket, dict) or not ticket.get("do_remote_prefill") or text is None:
+        if not isinstance(ticket, dict) or not ticket.get("do_remote_prefill"):
+            return
+        if (text := conversation(api, body, answer)) is None:
+            self._release(ticket)  # kept for nothing we can continue: free it now
             return
         key = (owner(body, auth), text)
         if (replaced := self._kept.pop(key, None)) is not None:  # the same turn, again

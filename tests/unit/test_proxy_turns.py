@@ -128,3 +128,10 @@ def test_a_whole_answer_s_turn_is_asked_a_stream_s_is_not(kept):
     assert kept.wanted(apis.COMPLETIONS, body)
     assert not kept.wanted(apis.COMPLETIONS, {**body, "stream": True})
     assert not kept.wanted(apis.RESPONSES, {"model": "m", "input": "a b"})
+    assert not kept.wanted(apis.COMPLETIONS, {**body, "n": 2})  # n turns, no one to continue
+
+
+def test_a_ticket_for_an_answer_no_conversation_continues_is_released_at_once(kept, released):
+    two = {"choices": [{"text": " c"}, {"text": " d"}], "kv_transfer_params": ticket(1)}
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b", "n": 2}, ALICE, two)
+    assert [t["remote_request_id"] for t in released] == ["t1"]
