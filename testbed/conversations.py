@@ -10,17 +10,20 @@ prefill leg's time (the proxy's Server-Timing: the client's TTFT on the first-to
 against vLLM alone's TTFT for the same prompt.
 
 Then the faults (``--faults``), each asked of the prefill as a router would, with a turn's
-ticket from the decode: a history edited mid-way (not loaded), a ticket used twice (the
-second read finds the turn given up), a decode killed (SIGKILL) before its ticket is used.
-Each must answer vLLM's own first token, from recompute.
+ticket from the decode: a history edited mid-way (the turn's whole blocks before the edit
+load), a ticket used twice (the second read finds the turn given up), a decode killed
+(SIGKILL) before its ticket is used. Each must answer vLLM's own first token.
 
     python -m testbed.conversations [--transport shm|nixl] [--no-prefix-caching]
         [--conversations 8] [--turns 4] [--no-reuse] [--faults] [--json OUT]
-        [--scaled] [--compare --plot PNG]
+        [--scaled | --model DIR] [--compare --plot PNG]
 
 ``--scaled``: a random model with the shipped model's word-level tokenizer (an answer's text
 tokenizes back into its tokens) and 50x its compute, answering 128 tokens a turn, so that
-the prefill's time shows. ``--compare``: the same conversations with reuse and without, with
+the prefill's time shows. ``--model``: any model, e.g. a random one with its own
+byte-level tokenizer (`scripts/make_random_model.py`), whose answers' text may tokenize
+back into other tokens: reuse then loads the whole blocks the next prompt shares, and
+computes the rest. ``--compare``: the same conversations with reuse and without, with
 each turn's prefill-leg time as a ratio and a plot.
 """
 
@@ -64,19 +67,31 @@ SOURCES = ("local_compute", "external_kv_transfer", "local_cache_hit")
 class TurnReport:
     turn: int
     prompt_tokens: int = 0
-    since_last_kv: int = 0  # tokens after the last turn's KV: what reuse must compute
     computed: int = 0
     loaded: int = 0
     cached: int = 0
     kept_turns: int = 0
+    must_compute: list[int] = field(default_factory=list)  # per conversation
     mismatches: list[str] = field(default_factory=list)
     prefill_ms: list[float] = field(default_factory=list)
     alone_ttft_ms: list[float] = field(default_factory=list)
 
     @property
+    def since_last_kv(self) -> int:
+        """The prompt tokens past those each shares with its conversation's last turn's KV."""
+        return sum(self.must_compute)
+
+    @property
     def within_bound(self) -> bool:
         """The prefill computed at most the tokens since the last turn, plus a block each."""
         return self.computed <= self.since_last_kv + BLOCK * len(self.prefill_ms)
+
+
+def shared(kv: list[int], prompt: list[int]) -> int:
+    """How many token ids ``prompt`` begins with that ``kv`` holds too."""
+    return next(
+        (n for n, (a, b) in enumerate(zip(kv, prompt)) if a != b), min(len(kv), len(prompt))
+    )
 
 
 def questions(conversations: int, turns: int, seed: int) -> list[list[str]]:
@@ -155,6 +170,7 @@ async def converse(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         expected: list[list[tuple[Any, ...]]] = [[] for _ in parts]
         histories = [""] * len(parts)
+        turn_kv: list[list[int]] = [[] for _ in parts]  # the token ids the last turn's KV holds
         for k, report in enumerate(reports):
             prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
             # Its prefix cache (where on) holds each conversation up to this question.
@@ -162,13 +178,21 @@ async def converse(
                 *(ttft(session, prefill, p) for p in prompts)
             )
             got = await asyncio.gather(
-                *(ask(session, prefill, p, cache_salt="reference") for p in prompts)
+                *(
+                    ask(session, prefill, p, cache_salt="reference", return_token_ids=True)
+                    for p in prompts
+                )
             )
             for i, (answer, _) in enumerate(got):
+                choice = answer["choices"][0]
                 expected[i].append(what_counts(answer))
-                histories[i] = prompts[i] + answer["choices"][0]["text"]
+                histories[i] = prompts[i] + choice["text"]
+                # What reuse must compute: the prompt past the tokens it shares with the
+                # last turn's KV (all of that, where the answer's text tokenizes back).
+                prompt_ids = choice["prompt_token_ids"]
+                report.must_compute.append(len(prompt_ids) - shared(turn_kv[i], prompt_ids))
+                turn_kv[i] = prompt_ids + choice["token_ids"][:-1]
         histories = [""] * len(parts)
-        last_kv = [0] * len(parts)  # tokens the last turn's KV covers, per conversation
         for k, report in enumerate(reports):
             prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
             sources, kept_before = by_source(prefill), kept(decode)
@@ -182,8 +206,6 @@ async def converse(
                 if (got_i := what_counts(answer)) != expected[i][k]:
                     report.mismatches.append(f"conversation {i}: {got_i} != {expected[i][k]}")
                 report.prompt_tokens += usage["prompt_tokens"]
-                report.since_last_kv += usage["prompt_tokens"] - last_kv[i]
-                last_kv[i] = usage["prompt_tokens"] + usage["completion_tokens"] - 1
                 report.prefill_ms.append(prefill_ms)
                 histories[i] = prompts[i] + text
     return reports
@@ -225,11 +247,15 @@ def check_faults(
     def alone(prompt: str) -> str:
         return first_token(prefill, prompt, cache_salt="alone")
 
-    history, ticket = turn(parts[0])
+    history, ticket = turn(parts[0] + " f3")  # a turn of its own: a ticket is read once
     words = history.split(" ")
     words[len(words) // 2] = "f1" if words[len(words) // 2] != "f1" else "f2"
     edited = " ".join(words) + parts[1]
     assert with_turn(edited, ticket, "edited") == alone(edited), "history edited mid-way"
+    # It loads the turn's whole blocks before the edit, and computes from there.
+    edited_loads = prefill.metric(names[0], 0.0) - before[0]
+    assert edited_loads == 1, f"the edited history loaded {edited_loads} times, not once"
+    history, ticket = turn(parts[0])
     prompt = history + parts[1]
     assert with_turn(prompt, ticket, "once") == alone(prompt), "a ticket used once"
     history, ticket2 = turn(parts[0] + " f4")  # the decode steps: the used turn is gone
@@ -241,10 +267,11 @@ def check_faults(
     # What the decode's restart would do first (tests/live/test_faults.py restarts one).
     reclaim_dead_segments(f"qaic_kv_{decode.engine_id}_")
     loaded, failed = (prefill.metric(n, 0.0) - b for n, b in zip(names, before, strict=True))
-    # Used once: loaded. Twice: not read again, or a failed read. The killed decode: a failed
-    # read, or a read of its memory still mapped here (its turn's KV, sealed: no one can
-    # write it any more) before the worker notices the death and unmaps it.
-    reads = 2 if prefix_caching else 3
+    # Edited: its blocks before the edit. Used once: loaded. Twice: not read again, or a
+    # failed read. The killed decode: a failed read, or a read of its memory still mapped
+    # here (its turn's KV, sealed: no one can write it any more) before the worker notices
+    # the death and unmaps it.
+    reads = 3 if prefix_caching else 4
     assert loaded >= 1 and loaded + failed == reads, f"{loaded} loads, {failed} failures"
     return {"loaded": loaded, "load_failures": failed}
 
@@ -339,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reuse", action="store_true")
     p.add_argument("--compare", action="store_true", help="with reuse and without")
     p.add_argument("--scaled", action="store_true", help="a 50x model, 128-token answers")
+    p.add_argument("--model", type=Path, help="another model's directory (its own tokenizer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--faults", action="store_true")
     p.add_argument("--json", default=None)
@@ -346,8 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     caching = "off" if args.no_prefix_caching else "on"
     setup = f"{args.conversations} conversations x {args.turns} turns, {args.transport}"
-    model, scratch = MODEL, None
-    if args.scaled:
+    model, scratch = args.model or MODEL, None
+    if args.model:
+        setup += f", {args.model.name}"
+    elif args.scaled:
         scratch = Path(tempfile.mkdtemp(prefix="qaic-scaled-"))
         model = scaled_model(scratch)
         specials = {str(i): -100 for i in range(4) if i != 2}  # pad, bos, unk; eos ends

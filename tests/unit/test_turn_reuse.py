@@ -15,7 +15,7 @@ from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import BS, free_blocks, make_request, make_scheduler, meta, step
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import ReleaseRequest, prompt_hash
+from vllm_qaic_connector.protocol.wire import ReleaseRequest, block_chain, prompt_hash
 
 REUSE = {"reuse_turns": True, "lease_s": 60.0}
 
@@ -68,6 +68,7 @@ def test_a_decode_keeps_a_finished_turn_until_its_ticket_is_released(decode):
     # The answer's last token has no KV yet: the ticket covers every token before it.
     assert ticket["num_tokens"] == 49
     assert ticket["prompt_hash"] == prompt_hash(tokens[:49])
+    assert tuple(ticket["block_hashes"]) == block_chain(tokens[:48], BS)  # its 3 whole blocks
     assert len(ticket["block_ids"]) == 4 and free_blocks(decode) == total - 4
     out, _ = step(decode)
     (seal,) = meta(out).saves  # the worker writes the ticket's header at the next step
@@ -97,43 +98,50 @@ def test_a_turn_not_asked_for_aborted_or_short_is_not_kept(decode):
     assert free_blocks(decode) == total
 
 
-def test_the_next_prefill_loads_the_history_its_prompt_begins_with(decode, prefill):
-    ticket = finish_turn(decode, "t1", 40, 10)
-    history = make_request("x", 40).prompt_token_ids + [7] * 9
-    new_turn = history + [7] + [300 + i for i in range(20)]  # the answer's end, the user's turn
-    req = make_request("p2", len(new_turn), {"do_remote_decode": True, "earlier_turns": ticket})
-    req.prompt_token_ids[:] = new_turn
-    req._all_token_ids[:] = new_turn
-    prefill.add_request(req)
-    out, _ = step(prefill)
-    (load,) = meta(out).loads
-    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert load.error is None and load.first_token == 0 and load.claimed == 49
-    assert load.remote.remote_request_id == "t1" and load.remote.block_ids == tuple(
-        ticket["block_ids"]
-    )
-    step(prefill, KVConnectorOutput(finished_recving={"p2"}))
-    out, _ = step(prefill)
-    assert out.num_scheduled_tokens["p2"] == len(new_turn) - 49  # the new turn's tokens only
+# The turn's 49 tokens: its 40-token prompt, then its answer (token 7, 9 times; the 10th
+# has no KV yet). (what the next prompt does to them, the whole blocks of 16 that load)
+EDITS = [
+    ("the same", 49),
+    ("the answer's text tokenized otherwise", 32),  # tokens 32..47 hold a changed one
+    ("a token edited mid-way", 16),
+    ("the first block edited", 0),
+    ("the history cut short", 16),
+    ("expired", 0),
+]
 
 
-@pytest.mark.parametrize("edit", ["a token edited mid-way", "the history cut short", "expired"])
-def test_a_prompt_that_does_not_begin_with_the_turn_computes_it(decode, prefill, edit):
+@pytest.mark.parametrize(("edit", "loaded"), EDITS, ids=[e for e, _ in EDITS])
+def test_the_next_prefill_loads_the_whole_blocks_its_prompt_shares_with_the_turn(
+    decode, prefill, edit, loaded
+):
     ticket = finish_turn(decode, "t1", 40, 10)
     history = make_request("x", 40).prompt_token_ids + [7] * 9
-    if edit == "a token edited mid-way":
+    if edit == "the answer's text tokenized otherwise":
+        history[44:] = [8, 9]
+    elif edit == "a token edited mid-way":
         history[20] += 1
+    elif edit == "the first block edited":
+        history[3] += 1
     elif edit == "the history cut short":
         history = history[:30]
-    else:  # unsigned here: a router could not have edited a signed one
+    elif edit == "expired":  # unsigned here: a router could not have edited a signed one
         ticket["expires_at"] = time.time() - 1
-    req = make_request("p2", len(history) + 5, {"do_remote_decode": True, "earlier_turns": ticket})
-    req.prompt_token_ids[: len(history)] = history
-    req._all_token_ids[: len(history)] = history
+    prompt = history + [300 + i for i in range(20)]  # the user's next question
+    req = make_request("p2", len(prompt), {"do_remote_decode": True, "earlier_turns": ticket})
+    req.prompt_token_ids[:] = prompt
+    req._all_token_ids[:] = prompt
     prefill.add_request(req)
     out, _ = step(prefill)
-    assert meta(out).loads == []  # no load, no load error: the prompt is computed here
-    assert out.num_scheduled_tokens["p2"] == len(history) + 5
+    if not loaded:  # no load, no load error: the prompt is computed here
+        assert meta(out).loads == [] and out.num_scheduled_tokens["p2"] == len(prompt)
+        return
+    (load,) = meta(out).loads
+    assert load.error is None and load.first_token == 0 and load.claimed == loaded
+    assert load.remote.num_tokens == loaded
+    assert load.remote.block_ids == tuple(ticket["block_ids"][: -(-loaded // BS)])
+    step(prefill, KVConnectorOutput(finished_recving={"p2"}))
+    out, _ = step(prefill)
+    assert out.num_scheduled_tokens["p2"] == len(prompt) - loaded  # the rest only
 
 
 def test_kept_turns_give_way_when_running_requests_need_the_blocks(decode):

@@ -212,6 +212,8 @@ def test_remote_prefill_params_parse():
         ("generation", 0, "generation"),
         ("prompt_hash", "xyz", "prompt_hash"),
         ("lease_s", -1.0, "lease_s"),
+        ("block_hashes", ["0" * 32, "XYZ"], "block_hashes must be"),
+        ("block_hashes", ["0" * 32] * 2, "at most one 32-hex-digit hash per whole block"),
     ],
 )
 def test_malformed_params_name_the_field(field, value, msg):

@@ -357,6 +357,9 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     # The prefill server's cap on an answer's tokens (its generation config), for a router
     # that gives the client the prefill's token: None where there is none.
     max_tokens_cap: int | None = None
+    # A kept turn's (`block_chain` of its tokens): a next turn whose prompt parts from the
+    # turn's tokens (its answer's text tokenized otherwise) loads the whole blocks before.
+    block_hashes: tuple[str, ...] = ()
     ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
 
 
@@ -378,6 +381,35 @@ def ticket_mac(params: RemotePrefill, key: bytes) -> str:
 def prompt_hash(token_ids: Sequence[int]) -> str:
     ids = struct.pack(f"<{len(token_ids)}q", *token_ids)  # as int64, little-endian
     return hashlib.blake2b(ids, digest_size=16).hexdigest()
+
+
+def block_chain(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
+    """One hash per whole block, each over the one before and the block's token ids: two
+    prompts' chains agree exactly as far as the whole blocks they begin with."""
+    chain, digest = [], b""
+    for end in range(block_size, len(token_ids) + 1, block_size):
+        ids = struct.pack(f"<{block_size}q", *token_ids[end - block_size : end])
+        digest = hashlib.blake2b(digest + ids, digest_size=16).digest()
+        chain.append(digest.hex())
+    return tuple(chain)
+
+
+def shared_part(params: RemotePrefill, prompt: Sequence[int]) -> RemotePrefill:
+    """A kept turn's ticket cut to what ``prompt`` begins with: all its tokens, else its
+    whole blocks as far as the prompt's agree (`block_chain`). Raises where none does."""
+    if prompt_hash(prompt[: params.num_tokens]) == params.prompt_hash:
+        return params
+    ours = block_chain(prompt[: params.num_tokens], params.staged_block_size)
+    same = sum(a == b for a, b in zip(ours, params.block_hashes))  # chains never re-agree
+    if same == 0:
+        raise ValueError("the prompt does not begin with the kept turn's first block")
+    num_tokens = same * params.staged_block_size
+    return msgspec.structs.replace(
+        params,
+        num_tokens=num_tokens,
+        prompt_hash=prompt_hash(prompt[:num_tokens]),
+        block_ids=params.block_ids[:same],
+    )
 
 
 def ticket_problem(
@@ -448,6 +480,11 @@ def _remote_prefill_problem(p: RemotePrefill) -> str | None:
                 and min(p.block_ids) >= 0
             ),
             "block_ids must be one id >= 0 per staged_block_size tokens of num_tokens",
+        ),
+        (
+            len(p.block_hashes) <= p.num_tokens // max(p.staged_block_size, 1)
+            and all(HASH_RE.fullmatch(h) for h in p.block_hashes),
+            "block_hashes must be at most one 32-hex-digit hash per whole block of num_tokens",
         ),
     ]
     bad_address = address_problem(p.remote_host, p.remote_port, "remote_")

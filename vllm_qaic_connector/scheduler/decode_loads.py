@@ -17,7 +17,12 @@ from vllm_qaic_connector.kv.kv_groups import (
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.leases import LeaseRenewer
-from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill, ticket_problem
+from vllm_qaic_connector.protocol.wire import (
+    RemotePrefill,
+    parse_remote_prefill,
+    shared_part,
+    ticket_problem,
+)
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.shared_tickets import SharedTickets, ticket_key
 from vllm_qaic_connector.step_metadata import LoadSpec
@@ -76,12 +81,16 @@ class DecodeLoads:
             if failed := params.get("error"):
                 raise ValueError(f"the prefill could not hand the KV off: {failed}")
             parsed = parse_remote_prefill(params)
-            num_tokens = parsed.num_tokens
             adapter = adapter_fingerprint(request.lora_request)
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
-            if unusable := ticket_problem(parsed, self._key, held, prompt, adapter):
+            # A turn's is checked whole (its MAC), then cut to what the prompt shares.
+            unusable = ticket_problem(parsed, self._key, held, None if turn else prompt, adapter)
+            if turn is not None and unusable is None:
+                parsed = shared_part(parsed, prompt)
+            if unusable:
                 raise ValueError(unusable)
+            num_tokens = parsed.num_tokens
             if has_state(self._groups) and num_tokens == len(prompt):
                 raise ValueError(
                     f"the prefill staged all {num_tokens} prompt tokens; a model with "

@@ -27,7 +27,13 @@ from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import RankMetadata, RemotePrefill, prompt_hash, ticket_mac
+from vllm_qaic_connector.protocol.wire import (
+    RankMetadata,
+    RemotePrefill,
+    block_chain,
+    prompt_hash,
+    ticket_mac,
+)
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
@@ -388,10 +394,11 @@ class PrefillHandoffs:
         self._direct_held[rid] = num_blocks
         self._turns.append(rid)
         self.stats.add("kept_turns")
-        return True, self._ticket(request, spec)
+        return True, self._ticket(request, spec, turn=True)
 
-    def _ticket(self, request: Request, spec: SaveSpec) -> Any:
-        """The ticket for ``spec``'s KV, as the ``kv_transfer_params`` vLLM hands back."""
+    def _ticket(self, request: Request, spec: SaveSpec, turn: bool = False) -> Any:
+        """The ticket for ``spec``'s KV, as the ``kv_transfer_params`` vLLM hands back
+        (a kept ``turn``'s with its `block_chain`)."""
         # A kept turn's tokens run on into the answer's; prompt embeddings have none.
         tokens = request.all_token_ids if request.prompt_token_ids is not None else []
         params = RemotePrefill(
@@ -413,6 +420,7 @@ class PrefillHandoffs:
             group_starts=spec.starts if any(spec.starts) else (),
             block_ids=tuple(spec.block_ids[0]) if spec.direct else (),
             max_tokens_cap=self.engine.max_tokens_cap,
+            block_hashes=block_chain(tokens[: spec.num_tokens], spec.block_size) if turn else (),
         )
         if (key := self.cfg.shared_key) is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, key))
