@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import sys
@@ -89,9 +90,7 @@ class TurnReport:
 
 def shared(kv: list[int], prompt: list[int]) -> int:
     """How many token ids ``prompt`` begins with that ``kv`` holds too."""
-    return next(
-        (n for n, (a, b) in enumerate(zip(kv, prompt)) if a != b), min(len(kv), len(prompt))
-    )
+    return len(os.path.commonprefix([kv, prompt]))
 
 
 def questions(conversations: int, turns: int, seed: int) -> list[list[str]]:
@@ -289,8 +288,9 @@ def run(
     args = ["--block-size", str(BLOCK), "--max-model-len", "1024"]
     # float32: in bf16 a token's KV from a decode step differs in its last bits from the
     # same KV from a prompt's pass, and a random model's near-ties turn on that.
-    if model != MODEL:
+    if model != MODEL:  # a random model's positions (RoPE) run past its config's
         args = ["--block-size", str(BLOCK), "--max-model-len", "4096", "--dtype", "float32"]
+        args += ["--hf-overrides", json.dumps({"max_position_embeddings": 4096})]
     block = args + ([] if prefix_caching else ["--no-enable-prefix-caching"])
     extra: dict[str, Any] = {"reuse_turns": reuse, "nixl_direct_reads": transport == "nixl"}
     with LiveRun("turns") as live:

@@ -1,20 +1,29 @@
-"""Multi-turn reuse, live (testbed/conversations.py): the short form of `make conversations`
-(8 conversations of 4 turns over shm with vLLM's defaults, a new seed each day; the make
-target adds NIXL, prefill prefix caching off, and the same runs without reuse)."""
+"""Multi-turn reuse, live (testbed/conversations.py): the short form of `make conversations`,
+each day on a new seed that also picks the model (the shipped one, or a random Qwen3 whose
+byte-level tokenizer turns an answer's text back into other tokens, so that only the whole
+blocks before them load) and whether the prefill caches prefixes (vLLM's default: on).
+Conversations over shm, with the faults; the make target runs every combination and NIXL."""
 
 from __future__ import annotations
 
 import datetime
+import random
 
 from testbed.conversations import print_reports, run
+from testbed.live_servers import MODEL, random_model
 
 
-def test_each_turn_equals_vllm_s_and_the_prefill_computes_only_what_is_new():
+def test_each_turn_equals_vllm_s_and_the_prefill_computes_only_what_is_new(tmp_path_factory):
     seed = int(datetime.date.today().strftime("%Y%m%d"))
-    reports = run("shm", True, conversations=8, turns=4, reuse=True, seed=seed, faults=True)
-    print_reports(reports, f"seed {seed}")
+    byte_level, caching = random.Random(seed).choice([(False, True), (False, False), (True, False)])
+    model = random_model(tmp_path_factory, "qwen3") if byte_level else MODEL
+    shape = {"conversations": 4, "turns": 3} if byte_level else {"conversations": 8, "turns": 4}
+    reports = run("shm", caching, **shape, reuse=True, seed=seed, faults=True, model=model)
+    print_reports(reports, f"seed {seed}, {model.name}, prefill prefix caching {caching}")
     assert all(not r.mismatches for r in reports), [r.mismatches for r in reports]
     later = reports[1:]
     assert all(r.within_bound for r in later), "a turn computed more than its new tokens"
     assert all(r.loaded > 0 for r in later), "no later turn loaded the decode's kept turn"
-    assert all(r.kept_turns == 8 for r in reports), [r.kept_turns for r in reports]
+    assert all(r.kept_turns == len(reports[0].prefill_ms) for r in reports), [
+        r.kept_turns for r in reports
+    ]
