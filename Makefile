@@ -61,3 +61,10 @@ soak: setup
 .PHONY: compare
 compare: setup
 	$(PY) -m benchmarks.compare_e2e --json compare_e2e.json --plot compare_e2e.png
+
+# Issue #57: multi-turn TTFT per turn, reuse against the same run without it and against
+# vLLM alone (aggregated), on a model whose prefill time shows; a plot beside the table.
+.PHONY: compare-turns
+compare-turns: setup
+	$(PY) -m testbed.conversations --scaled --compare --json compare_turns.json --plot compare_turns.png
+	$(PY) -m testbed.conversations --scaled --compare --no-prefix-caching --plot compare_turns_no_cache.png
