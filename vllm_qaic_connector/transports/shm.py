@@ -41,8 +41,8 @@ def _unlink(path: str) -> None:
         os.unlink(path)
 
 
-def reclaim_dead_segments(prefix: str) -> list[str]:
-    """Unlinks segments named ``prefix*`` whose creator is gone; returns their names."""
+def reclaim_dead_segments(prefix: str) -> None:
+    """Unlinks segments named ``prefix*`` whose creator is gone."""
     reclaimed = []
     for name in [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]:
         try:
@@ -59,7 +59,6 @@ def reclaim_dead_segments(prefix: str) -> list[str]:
         reclaimed.append(name)
     if reclaimed:
         logger.warning("reclaimed shm segments of dead engines: %s", reclaimed)
-    return reclaimed
 
 
 def _reserve(fd: int, name: str, size: int) -> None:
