@@ -21,6 +21,8 @@ from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
     Renewed,
     RenewRequest,
+    TurnReply,
+    TurnRequest,
     handshake_reply,
 )
 from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
@@ -121,6 +123,13 @@ class SchedulerSide:
             return Ok()
         if isinstance(msg, RenewRequest):
             return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
+        if isinstance(msg, TurnRequest):  # a stream's router, for the ticket of its turn
+            if (ticket := self.handoffs.named_turns.get(msg.turn_id)) is None:
+                return ErrorReply(
+                    f"no turn kept as {msg.turn_id!r}: never kept (reuse_turns off, aborted, "
+                    "under a block, no room) or given up since (released, evicted, expired)"
+                )
+            return TurnReply(ticket)
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def on_new_request(self, request: Request) -> None:

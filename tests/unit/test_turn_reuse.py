@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -15,7 +16,14 @@ from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import BS, free_blocks, make_request, make_scheduler, meta, step
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import ReleaseRequest, block_chain, prompt_hash
+from vllm_qaic_connector.protocol.wire import (
+    ErrorReply,
+    ReleaseRequest,
+    TurnReply,
+    TurnRequest,
+    block_chain,
+    prompt_hash,
+)
 
 REUSE = {"reuse_turns": True, "lease_s": 60.0}
 
@@ -50,9 +58,12 @@ def counted(sched, name: str) -> list[int]:
     return taken
 
 
-def finish_turn(decode, rid: str, prompt: int, answer: int, first: int = 5) -> dict | None:
-    """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens; its ticket."""
-    decode.add_request(make_request(rid, prompt, {"keep_turn": True}, answer, first=first))
+def finish_turn(
+    decode, rid: str, prompt: int, answer: int, first: int = 5, keep: object = True
+) -> dict | None:
+    """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens, asking ``keep_turn``
+    ``keep``; its ticket."""
+    decode.add_request(make_request(rid, prompt, {"keep_turn": keep}, answer, first=first))
     for _ in range(answer):
         _, outputs = step(decode)
         done = [o for outs in outputs.values() for o in outs.outputs if o.request_id == rid]
@@ -87,6 +98,8 @@ def test_a_decode_keeps_a_finished_turn_until_its_ticket_is_released(decode):
 def test_a_turn_not_asked_for_aborted_or_short_is_not_kept(decode):
     total = free_blocks(decode)
     assert finish_turn(decode, "short", 10, 3) is None  # under a block: not worth a lease
+    assert finish_turn(decode, "no name", 40, 3, keep="") is None  # asked neither way
+    assert finish_turn(decode, "one", 40, 3, keep=1) is None
     decode.add_request(make_request("streamed", 40, max_tokens=3))  # no router will take it
     for _ in range(3):
         step(decode)
@@ -96,6 +109,20 @@ def test_a_turn_not_asked_for_aborted_or_short_is_not_kept(decode):
     decode.finish_requests("ab", RequestStatus.FINISHED_ABORTED)
     assert decode.connector.scheduler.pool.pages_in_use == 0
     assert free_blocks(decode) == total
+
+
+def test_a_named_turn_s_ticket_is_given_by_its_name_until_it_is_released(decode):
+    """A streamed answer carries no ticket: its router asks the decode's side channel."""
+    ticket = finish_turn(decode, "t1", 40, 10, keep="s1")
+    host, port = ticket["remote_host"], ticket["remote_port"]
+    reply = side_channel.call(host, port, TurnRequest("s1"), None, 5.0)
+    assert isinstance(reply, TurnReply) and msgspec.to_builtins(reply.ticket) == ticket
+    with pytest.raises(ConnectionError, match="no turn kept as 'other'"):
+        side_channel.call(host, port, TurnRequest("other"), None, 5.0)
+    side_channel.call(host, port, ReleaseRequest(["t1"]), None, 5.0)
+    step(decode)
+    with pytest.raises(ConnectionError, match="no turn kept as 's1'"):
+        side_channel.call(host, port, TurnRequest("s1"), None, 5.0)
 
 
 # The turn's 49 tokens: its 40-token prompt, then its answer (token 7, 9 times; the 10th
@@ -146,7 +173,7 @@ def test_the_next_prefill_loads_the_whole_blocks_its_prompt_shares_with_the_turn
 
 def test_kept_turns_give_way_when_running_requests_need_the_blocks(decode):
     for i in range(7):  # 7 turns of 4 blocks each: 28 of 64 held
-        finish_turn(decode, f"t{i}", 40, 10, first=5 + i)
+        finish_turn(decode, f"t{i}", 40, 10, first=5 + i, keep=f"s{i}")
     pool, evicted = decode.connector.scheduler.pool, counted(decode, "evicted_turns")
     assert all(pool.has(f"t{i}") for i in range(7))
     decode.add_request(make_request("big", 450, max_tokens=50, first=100))
@@ -154,6 +181,9 @@ def test_kept_turns_give_way_when_running_requests_need_the_blocks(decode):
     step(decode, worker_frees=True)  # t0's 4 blocks are back: 10 free, nothing more evicted
     assert not pool.has("t0") and all(pool.has(f"t{i}") for i in range(1, 7))
     assert sum(evicted) == 1
+    handle = decode.connector.scheduler._handle
+    assert isinstance(handle(TurnRequest("s0")), ErrorReply)  # its name goes with it
+    assert isinstance(handle(TurnRequest("s1")), TurnReply)
 
 
 def test_a_decode_that_keeps_turns_must_produce_too():

@@ -208,6 +208,41 @@ def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int)
     return None
 
 
+# --- kv_transfer_params --------------------------------------------------------------------
+
+
+class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """``kv_transfer_params`` of a decode request: where its prompt KV is staged, and the
+    ticket that proves it still is (see tickets.py)."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    num_tokens: int
+    staging_offset: int
+    staged_layout: str
+    staged_block_size: int
+    incarnation: str  # the prefill engine's start; a restart invalidates every ticket
+    generation: int  # repeated in the staged region's header while the region is ours
+    prompt_hash: str  # of token ids [0, num_tokens): KV of another prompt is never used
+    lease_s: float  # the prefill frees the region this long after the last renewal
+    expires_at: float  # unix time the lease ends unless renewed
+    group_starts: tuple[int, ...] = ()  # first token staged per KV cache group (): all 0
+    adapter: str = ""  # the LoRA adapter that computed it (model_weights); "": the base model
+    # Set: nothing was staged; read these blocks of the prefill's KV cache (its
+    # `SharedCache`), which it holds until the region at ``staging_offset`` is released.
+    block_ids: tuple[int, ...] = ()
+    # The prefill server's cap on an answer's tokens (its generation config), for a router
+    # that gives the client the prefill's token: None where there is none.
+    max_tokens_cap: int | None = None
+    # A kept turn's (`block_chain` of its tokens): a next turn whose prompt parts from the
+    # turn's tokens (its answer's text tokenized otherwise) loads the whole blocks before.
+    block_hashes: tuple[str, ...] = ()
+    ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
+
+
 # --- side-channel messages -------------------------------------------------------------
 
 
@@ -272,9 +307,21 @@ class Renewed(msgspec.Struct, tag="renewed", frozen=True):
     request_ids: list[str]
 
 
+class TurnRequest(msgspec.Struct, tag="turn", frozen=True):
+    """A router asks a decode for the ticket of the turn it kept as ``turn_id`` (the
+    request's ``keep_turn``): a streamed answer carries no ``kv_transfer_params``."""
+
+    turn_id: str
+
+
+class TurnReply(msgspec.Struct, tag="turn_reply", frozen=True):
+    ticket: RemotePrefill
+
+
 Message = (
-    HandshakeRequest | HandshakeReply | ReleaseRequest | RenewRequest | Renewed | Ok | ErrorReply
-)
+    HandshakeRequest | HandshakeReply | ReleaseRequest | RenewRequest | Renewed | TurnRequest
+    | TurnReply | Ok | ErrorReply
+)  # fmt: skip
 
 
 def handshake_reply(request: HandshakeRequest, ranks: list[RankMetadata]) -> Message:
@@ -328,39 +375,7 @@ def open_message(frame: bytes, key: bytes | None) -> Envelope:
         raise ValueError(f"malformed side-channel message: {exc}") from None
 
 
-# --- kv_transfer_params --------------------------------------------------------------------
-
-
-class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
-    """``kv_transfer_params`` of a decode request: where its prompt KV is staged, and the
-    ticket that proves it still is (see tickets.py)."""
-
-    do_remote_prefill: bool
-    remote_engine_id: str
-    remote_host: str
-    remote_port: int
-    remote_request_id: str
-    num_tokens: int
-    staging_offset: int
-    staged_layout: str
-    staged_block_size: int
-    incarnation: str  # the prefill engine's start; a restart invalidates every ticket
-    generation: int  # repeated in the staged region's header while the region is ours
-    prompt_hash: str  # of token ids [0, num_tokens): KV of another prompt is never used
-    lease_s: float  # the prefill frees the region this long after the last renewal
-    expires_at: float  # unix time the lease ends unless renewed
-    group_starts: tuple[int, ...] = ()  # first token staged per KV cache group (): all 0
-    adapter: str = ""  # the LoRA adapter that computed it (model_weights); "": the base model
-    # Set: nothing was staged; read these blocks of the prefill's KV cache (its
-    # `SharedCache`), which it holds until the region at ``staging_offset`` is released.
-    block_ids: tuple[int, ...] = ()
-    # The prefill server's cap on an answer's tokens (its generation config), for a router
-    # that gives the client the prefill's token: None where there is none.
-    max_tokens_cap: int | None = None
-    # A kept turn's (`block_chain` of its tokens): a next turn whose prompt parts from the
-    # turn's tokens (its answer's text tokenized otherwise) loads the whole blocks before.
-    block_hashes: tuple[str, ...] = ()
-    ticket_mac: str = ""  # with a key: the prefill's MAC over every field above
+# --- tickets ---------------------------------------------------------------------------
 
 
 def ticket_mac(params: RemotePrefill, key: bytes) -> str:
@@ -400,7 +415,8 @@ def shared_part(params: RemotePrefill, prompt: Sequence[int]) -> RemotePrefill:
     if prompt_hash(prompt[: params.num_tokens]) == params.prompt_hash:
         return params
     ours = block_chain(prompt[: params.num_tokens], params.staged_block_size)
-    same = sum(a == b for a, b in zip(ours, params.block_hashes))  # chains never re-agree
+    # Two chains agree up to the last whole block both begin with, and never after it.
+    same = sum(a == b for a, b in zip(ours, params.block_hashes, strict=False))
     if same == 0:
         raise ValueError("the prompt does not begin with the kept turn's first block")
     num_tokens = same * params.staged_block_size

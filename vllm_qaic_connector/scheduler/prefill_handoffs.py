@@ -123,6 +123,9 @@ class PrefillHandoffs:
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
         self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
         self._turns: list[str] = []  # kept turns (also in _direct_held), oldest first
+        # Kept turns' tickets by the router's name for them (``keep_turn``), for a stream's
+        # router to ask for over the side channel (that thread only reads it).
+        self.named_turns: dict[str, RemotePrefill] = {}
         self._seals: list[SaveSpec] = []  # kept turns' tickets, sealed at the next step
         # Held blocks shrink the KV cache: past half of it, requests stage instead.
         self._direct_cap = engine.num_blocks // 2
@@ -314,6 +317,9 @@ class PrefillHandoffs:
         for rid in released:
             del self._direct_held[rid]
         self._turns = [rid for rid in self._turns if rid in self._direct_held]
+        self.named_turns = {
+            n: t for n, t in self.named_turns.items() if t.remote_request_id in self._direct_held
+        }
         return released
 
     def evict_turns(self) -> None:
@@ -359,16 +365,18 @@ class PrefillHandoffs:
         if spec.direct:  # its blocks are the KV: held until the lease is released or ends
             self._direct_held[rid] = len(spec.block_ids[0])
             hold = True
-        return hold, self._ticket(request, spec)
+        return hold, msgspec.to_builtins(self._ticket(request, spec))
 
     def _keep_turn(self, request: Request) -> tuple[bool, Any]:
         """A decode's finished turn: its blocks held under a lease, and a ticket for the
         prompt and the answer's tokens but the last (whose KV was never computed), which the
         conversation's next prefill loads instead of computing. Kept where the router asked
-        (``keep_turn``: it will carry the ticket back); not for an aborted turn, less than a
+        (``keep_turn``: it will carry the ticket back; a name: it asks for the ticket by that
+        name, as a streamed answer carries none); not for an aborted turn, less than a
         block, KV in more than one full-attention group, or without room."""
         rid, block_size = request.request_id, self.engine.geometry.block_size
-        asked = (request.kv_transfer_params or {}).get("keep_turn") is True
+        name = (request.kv_transfer_params or {}).get("keep_turn")
+        asked = name is True or (isinstance(name, str) and name != "")
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         num_blocks = blocks_for_tokens(num_tokens, block_size)
         one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
@@ -394,11 +402,14 @@ class PrefillHandoffs:
         self._direct_held[rid] = num_blocks
         self._turns.append(rid)
         self.stats.add("kept_turns")
-        return True, self._ticket(request, spec, turn=True)
+        ticket = self._ticket(request, spec, turn=True)
+        if isinstance(name, str):
+            self.named_turns[name] = ticket
+        return True, msgspec.to_builtins(ticket)
 
-    def _ticket(self, request: Request, spec: SaveSpec, turn: bool = False) -> Any:
-        """The ticket for ``spec``'s KV, as the ``kv_transfer_params`` vLLM hands back
-        (a kept ``turn``'s with its `block_chain`)."""
+    def _ticket(self, request: Request, spec: SaveSpec, turn: bool = False) -> RemotePrefill:
+        """The ticket for ``spec``'s KV (vLLM hands it back as ``kv_transfer_params``); a
+        kept ``turn``'s with its `block_chain`."""
         # A kept turn's tokens run on into the answer's; prompt embeddings have none.
         tokens = request.all_token_ids if request.prompt_token_ids is not None else []
         params = RemotePrefill(
@@ -424,4 +435,4 @@ class PrefillHandoffs:
         )
         if (key := self.cfg.shared_key) is not None:
             params = msgspec.structs.replace(params, ticket_mac=ticket_mac(params, key))
-        return msgspec.to_builtins(params)
+        return params
