@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import parse_remote_prefill
+from vllm_qaic_connector.protocol.wire import TurnReply, TurnRequest, parse_remote_prefill
 from vllm_qaic_proxy import first_token, prompt_lists
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import LeastOutstanding
@@ -185,6 +186,21 @@ class Legs:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
+    async def turn(self, decode_kv: str, name: str) -> Any:
+        """The ticket of the turn that the decode whose side channel is ``decode_kv`` kept as
+        ``name`` (a streamed answer carries none); None where it has none (logged: the
+        decode's lease frees it)."""
+        host, port = decode_kv.rsplit(":", 1)
+        request = TurnRequest(name)
+        try:
+            reply = await asyncio.to_thread(
+                side_channel.call, host, int(port), request, self.key, 5.0
+            )
+        except ConnectionError as exc:
+            logger.warning("no ticket for a streamed turn: %s", exc)
+            return None
+        return msgspec.to_builtins(reply.ticket) if isinstance(reply, TurnReply) else None
+
     async def answer(
         self,
         request: web.Request,
@@ -194,11 +210,13 @@ class Legs:
         first: FirstToken | None,
         leg: str = "decode",
         sink: Sink | None = None,
+        ending: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The leg's answer from ``base``: whole (``first`` put back in front, with the
         ``headers``), or the events through as they come (after ``first``'s, once the decode
         has taken the request), to the client or into ``sink``; False when the client went
-        away. Then the decode's connection is closed, which aborts the request there."""
+        away. Then the decode's connection is closed, which aborts the request there.
+        ``ending``: awaited when a stream came through whole, before it ends for the client."""
         url, streamed = base + request.path, body.get("stream")
         limit = self.decode_timeout_s  # a stream's: the longest gap between events
         timeout = leg_timeout(sock_read=limit) if streamed else leg_timeout(total=limit)
@@ -221,6 +239,8 @@ class Legs:
             else:
                 async for chunk in resp.content.iter_any():
                     await out.write(chunk)
+            if ending is not None:
+                await ending()
             await out.write_eof()
         except ConnectionResetError:
             logger.info("client went away mid-stream; aborting the decode request")

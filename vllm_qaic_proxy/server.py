@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -152,22 +154,22 @@ class Proxy:
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing, sink)
-            if self.turns.wanted(api, body):  # its ticket comes back to us
-                params = {**(params or {}), "keep_turn": True}
+            if keep := self.turns.asked(api, body, self._decode_kv[decode_url]):
+                params = {**(params or {}), "keep_turn": keep}
+            ending, streamed = None, body.get("stream")
+            if keep and streamed:  # its ticket, asked for before the client sees the stream end
+                ending = functools.partial(self._keep_streamed, api, body, auth, decode_url, keep)
             to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
             stored = alone == "previous_response_id"
             try:
                 response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing, stored, sink
+                    request, "decode", decode_url, to_decode, first, timing, stored, sink, ending
                 )
-                if (
-                    self.turns.enabled
-                    and isinstance(response, web.Response)
-                    and response.status == 200
-                ):
-                    self.turns.keep(api, body, auth, answer_of(response)[1])
+                if keep and not streamed:  # its ticket came with the answer
+                    ticket = answer_of(response)[1].get("kv_transfer_params")
+                    self.turns.keep(api, body, auth, ticket)
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
             except NoAnswer as exc:
@@ -194,6 +196,7 @@ class Proxy:
         timing: dict[str, str],
         stored: bool = False,
         sink: Sink | None = None,
+        ending: Callable[[], Awaitable[None]] | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The client's answer from ``url`` or another backend of its kind (streamed as it
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
@@ -202,13 +205,21 @@ class Proxy:
 
         async def call(u: str) -> tuple[web.StreamResponse, bool]:
             try:
-                return await self.legs.answer(request, u, body, timing, first, leg, sink)
+                return await self.legs.answer(request, u, body, timing, first, leg, sink, ending)
             except LegError as exc:  # a stored response's 404: another decode may hold it
                 if not stored or exc.status != 404 or isinstance(exc, NoAnswer):
                     raise
                 raise NotHere(404, f"{u} does not hold it", exc.body) from None
 
         return await self.legs.failover(pool, url, call)
+
+    async def _keep_streamed(
+        self, api: Api, body: dict[str, Any], auth: dict[str, str], decode_url: str, name: str
+    ) -> None:
+        """Keeps a streamed turn's ticket, asked of the side channel of the decode that kept
+        it as ``name`` (another that took the request over is not asked: its lease frees it)."""
+        ticket = await self.legs.turn(self._decode_kv[decode_url], name)
+        self.turns.keep(api, body, auth, ticket)
 
     async def _prefill_only(
         self,

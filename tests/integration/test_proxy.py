@@ -16,12 +16,21 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
-from vllm_qaic_connector.protocol.wire import Message, Ok, ReleaseRequest
+from vllm_qaic_connector.protocol.wire import (
+    ErrorReply,
+    Message,
+    Ok,
+    ReleaseRequest,
+    RemotePrefill,
+    TurnReply,
+    TurnRequest,
+)
 from vllm_qaic_proxy import apis, first_token, legs, prompt_lists, routing
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.routing import LeastOutstanding, Router
@@ -400,15 +409,20 @@ class Decode(Backend):
 
 
 class SideChannel:
-    """A real side-channel server, as a prefill runs it: records the releases it is sent."""
+    """A real side-channel server, as a prefill runs it: records the releases it is sent;
+    as a decode that keeps turns runs it, gives the ``turns`` it kept by name."""
 
     def __init__(self) -> None:
         self.released: list[str] = []
+        self.turns: dict[str, RemotePrefill] = {}
         self.server = SideChannelServer("127.0.0.1", free_port(), self._handle, None)
 
     def _handle(self, msg: Message) -> Message:
         if isinstance(msg, ReleaseRequest):
             self.released.extend(msg.request_ids)
+        if isinstance(msg, TurnRequest):
+            kept = self.turns.get(msg.turn_id)
+            return TurnReply(kept) if kept else ErrorReply(f"no turn kept as {msg.turn_id}")
         return Ok()
 
     async def wait_released(self, request_id: str) -> list[str]:
@@ -1148,23 +1162,31 @@ async def test_the_proxy_runs_with_torch_vllm_and_numpy_absent(
 
 
 class TurnKeeper(Decode):
-    """A decode with ``reuse_turns``: a turn it is asked to keep comes back with a ticket."""
+    """A decode with ``reuse_turns``: a turn it is asked to keep comes back with a ticket,
+    which its side channel (``side``) gives by the turn's name too (a stream carries none)."""
 
-    def __init__(self, side_port: int) -> None:
+    def __init__(self, side: SideChannel) -> None:
         super().__init__()
-        self.side_port = side_port
+        self.side = side
+        self.go.set()  # streams come through at once
+
+    async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        if name := (body.get("kv_transfer_params") or {}).get("keep_turn"):
+            kept = staged(f"turn-{len(self.requests)}", self.side.server.port)
+            self.side.turns[name] = msgspec.convert(kept, RemotePrefill)
+        return await super().complete(request, body)
 
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = super().answer_for(body)
-        if (body.get("kv_transfer_params") or {}).get("keep_turn") is True:
-            answer["kv_transfer_params"] = staged(f"turn-{len(self.requests)}", self.side_port)
+        if name := (body.get("kv_transfer_params") or {}).get("keep_turn"):
+            answer["kv_transfer_params"] = msgspec.to_builtins(self.side.turns[name])
         return answer
 
 
 async def test_with_reuse_turns_the_next_turn_s_prefill_gets_the_kept_turn_and_it_is_released(
     prefill: Prefill, side: SideChannel
 ) -> None:
-    decode = TurnKeeper(side.server.port)
+    decode = TurnKeeper(side)
     await decode.start()
     alice, bob = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
     try:
@@ -1172,13 +1194,39 @@ async def test_with_reuse_turns_the_next_turn_s_prefill_gets_the_kept_turn_and_i
             first = {**PROMPT, "prompt": "hi"}
             resp = await client.post("/v1/completions", json=first, headers=alice)
             said = (await resp.json())["choices"][0]["text"]
-            assert decode.requests[0][1]["kv_transfer_params"]["keep_turn"] is True
+            assert isinstance(decode.requests[0][1]["kv_transfer_params"]["keep_turn"], str)
             later = {**PROMPT, "prompt": f"hi{said} and then?"}
             await client.post("/v1/completions", json=later, headers=bob)  # not bob's turn
             await client.post("/v1/completions", json=later, headers=alice)
             await client.post("/v1/completions", json=later, headers=alice)  # taken once
         turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
-        assert [t and t["remote_request_id"] for t in turns] == [None, None, "turn-1", None]
+        # The same prompt again continues the turn that the third request's answer ended.
+        assert [t and t["remote_request_id"] for t in turns] == [None, None, "turn-1", "turn-3"]
+        assert "turn-1" in await side.wait_released("turn-1")  # the decode may free it
+    finally:
+        await decode.stop()
+
+
+@pytest.mark.parametrize("decode_kv", [True, False])
+async def test_with_reuse_turns_a_streamed_turn_s_ticket_comes_from_the_decode_s_side_channel(
+    prefill: Prefill, side: SideChannel, decode_kv: bool
+) -> None:
+    decode = TurnKeeper(side)
+    await decode.start()
+    kv = {"decode_kv": [f"127.0.0.1:{side.server.port}"]} if decode_kv else {}
+    try:
+        async with proxy([prefill.url], [decode.url], reuse_turns=True, **kv) as client:
+            first = {**PROMPT, "prompt": "hi", "stream": True}
+            said = await (await client.post("/v1/completions", json=first)).text()
+            assert said.endswith("data: [DONE]\n\n")
+            later = {**PROMPT, "prompt": "hi there"}  # kept by its request's text alone
+            await client.post("/v1/completions", json=later)
+        asked = decode.requests[0][1]["kv_transfer_params"].get("keep_turn")
+        turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+        if not decode_kv:  # no side channel to ask: not kept
+            assert asked is None and turns == [None, None]
+            return
+        assert turns == [None, msgspec.json.decode(msgspec.json.encode(side.turns[asked]))]
         assert "turn-1" in await side.wait_released("turn-1")  # the decode may free it
     finally:
         await decode.stop()

@@ -11,6 +11,7 @@ from vllm_qaic_proxy import apis, turns
 from vllm_qaic_proxy.turns import Turns
 
 ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+DECODE_KV = "127.0.0.1:5601"
 
 
 def ticket(n: int, expires_in: float = 60.0) -> dict:
@@ -19,15 +20,6 @@ def ticket(n: int, expires_in: float = 60.0) -> dict:
         "remote_request_id": f"t{n}",
         "expires_at": time.time() + expires_in,
     }
-
-
-def completion(text: str, params: dict | None = None) -> dict:
-    return {"choices": [{"text": text}], "kv_transfer_params": params}
-
-
-def chat_answer(text: str, params: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": text, "tool_calls": []}
-    return {"choices": [{"message": message}], "kv_transfer_params": params}
 
 
 @pytest.fixture
@@ -40,12 +32,9 @@ def kept(released) -> Turns:
     return Turns(released.append)
 
 
-def test_a_completion_continues_the_longest_conversation_it_begins_with(kept):
-    body = {"model": "m", "prompt": "a b"}
-    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(1)))
-    kept.keep(
-        apis.COMPLETIONS, {"model": "m", "prompt": "a b c d"}, ALICE, completion(" e", ticket(2))
-    )
+def test_a_completion_continues_the_longest_prompt_it_begins_with(kept):
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b"}, ALICE, ticket(1))
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b c d"}, ALICE, ticket(2))
     later = {"model": "m", "prompt": "a b c d e f"}
     assert kept.take(apis.COMPLETIONS, later, ALICE)["remote_request_id"] == "t2"
     assert kept.take(apis.COMPLETIONS, later, ALICE)["remote_request_id"] == "t1"  # t2 taken
@@ -60,78 +49,81 @@ def test_a_completion_continues_the_longest_conversation_it_begins_with(kept):
         ({"model": "m", "prompt": "a b c", "cache_salt": "s"}, ALICE),  # another salt
         ({"model": "m", "prompt": "a x c"}, ALICE),  # the history edited
         ({"model": "m", "prompt": ["a b c"]}, ALICE),  # a list of prompts
+        ({"model": "m", "prompt": "a b c", "n": 2}, ALICE),  # n answers: none prefilled
     ],
-    ids=["credentials", "model", "salt", "edited", "list"],
+    ids=["credentials", "model", "salt", "edited", "list", "n"],
 )
 def test_a_request_never_takes_what_is_not_its_conversation(kept, other):
-    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b"}, ALICE, completion(" c", ticket(1)))
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b"}, ALICE, ticket(1))
     body, auth = other
     assert kept.take(apis.COMPLETIONS, body, auth) is None
     assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE) is not None
 
 
-def test_a_chat_continues_by_messages_whatever_else_the_answer_carried(kept):
+def test_a_chat_continues_by_its_messages_whatever_the_answer_said(kept):
     said = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    kept.keep(apis.CHAT, {"model": "m", "messages": said}, ALICE, chat_answer("hello", ticket(1)))
+    kept.keep(apis.CHAT, {"model": "m", "messages": said}, ALICE, ticket(1))
     again = [*said, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
     assert kept.take(apis.CHAT, {"model": "m", "messages": again}, ALICE) is not None
-    kept.keep(apis.CHAT, {"model": "m", "messages": said}, ALICE, chat_answer("hello", ticket(2)))
-    other = [*said, {"role": "assistant", "content": "hell"}, {"role": "user", "content": "o"}]
+    kept.keep(apis.CHAT, {"model": "m", "messages": said}, ALICE, ticket(2))
+    other = [{"role": "system", "content": "be long"}, *said[1:]]
     assert kept.take(apis.CHAT, {"model": "m", "messages": other}, ALICE) is None
+    # The prefill checks the answer's tokens: a wrong guess costs a recompute only.
+    guess = [*said, {"role": "assistant", "content": "hola"}]
+    assert kept.take(apis.CHAT, {"model": "m", "messages": guess}, ALICE) is not None
 
 
-def test_answers_without_a_turn_s_ticket_are_not_kept(kept):
+def test_what_is_no_turn_s_ticket_is_not_kept(kept, released):
     body = {"model": "m", "prompt": "a b"}
-    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c"))  # the decode kept nothing
-    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", {"do_remote_prefill": False}))
-    kept.keep(apis.RESPONSES, {"model": "m", "input": "a b"}, ALICE, completion(" c", ticket(1)))
+    kept.keep(apis.COMPLETIONS, body, ALICE, None)  # the decode kept nothing
+    kept.keep(apis.COMPLETIONS, body, ALICE, {"do_remote_prefill": False})
     assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c d"}, ALICE) is None
+    assert released == []
 
 
 def test_an_expired_ticket_is_dropped_and_the_oldest_released_past_the_limit(
     kept, released, monkeypatch
 ):
     monkeypatch.setattr(turns, "MAX_KEPT", 2)
-    kept.keep(
-        apis.COMPLETIONS, {"model": "m", "prompt": "x"}, ALICE, completion(" y", ticket(0, -1))
-    )
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "x"}, ALICE, ticket(0, -1))
     assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "x y z"}, ALICE) is None
     for n in range(1, 4):
-        kept.keep(
-            apis.COMPLETIONS, {"model": "m", "prompt": f"p{n}"}, ALICE, completion(" a", ticket(n))
-        )
+        kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": f"p{n}"}, ALICE, ticket(n))
     assert [t["remote_request_id"] for t in released] == ["t1"]  # the decode frees it now
 
 
 def test_the_same_turn_kept_again_releases_the_ticket_it_replaces(kept, released):
     body = {"model": "m", "prompt": "a b"}
-    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(1)))
-    kept.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(2)))
+    kept.keep(apis.COMPLETIONS, body, ALICE, ticket(1))
+    kept.keep(apis.COMPLETIONS, body, ALICE, ticket(2))
     assert [t["remote_request_id"] for t in released] == ["t1"]
-    assert (
-        kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE)["remote_request_id"]
-        == "t2"
-    )
+    taken = kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE)
+    assert taken["remote_request_id"] == "t2"
 
 
 def test_without_reuse_turns_nothing_is_asked_or_kept(released):
     off = Turns(released.append, enabled=False)
     body = {"model": "m", "prompt": "a b"}
-    assert not off.wanted(apis.COMPLETIONS, body)
-    assert not off.wanted(apis.COMPLETIONS, {**body, "stream": True})  # (on, too: no ticket)
-    off.keep(apis.COMPLETIONS, body, ALICE, completion(" c", ticket(1)))
+    assert off.asked(apis.COMPLETIONS, body, DECODE_KV) is None
+    assert off.asked(apis.COMPLETIONS, {**body, "stream": True}, DECODE_KV) is None
+    off.keep(apis.COMPLETIONS, body, ALICE, ticket(1))
     assert off.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE) is None
 
 
-def test_a_whole_answer_s_turn_is_asked_a_stream_s_is_not(kept):
+def test_a_turn_is_asked_by_a_fresh_name_a_stream_s_where_the_decode_s_side_channel_is_known(
+    kept,
+):
     body = {"model": "m", "prompt": "a b"}
-    assert kept.wanted(apis.COMPLETIONS, body)
-    assert not kept.wanted(apis.COMPLETIONS, {**body, "stream": True})
-    assert not kept.wanted(apis.RESPONSES, {"model": "m", "input": "a b"})
-    assert not kept.wanted(apis.COMPLETIONS, {**body, "n": 2})  # n turns, no one to continue
+    names = {kept.asked(apis.COMPLETIONS, body, "") for _ in range(3)}
+    assert len(names) == 3 and all(isinstance(n, str) and len(n) == 32 for n in names)
+    streamed = {**body, "stream": True}
+    assert isinstance(kept.asked(apis.COMPLETIONS, streamed, DECODE_KV), str)
+    assert kept.asked(apis.COMPLETIONS, streamed, "") is None  # its ticket could not be had
+    assert kept.asked(apis.RESPONSES, {"model": "m", "input": "a b"}, DECODE_KV) is None
+    assert kept.asked(apis.COMPLETIONS, {**body, "n": 2}, DECODE_KV) is None  # n turns
 
 
-def test_a_ticket_for_an_answer_no_conversation_continues_is_released_at_once(kept, released):
-    two = {"choices": [{"text": " c"}, {"text": " d"}], "kv_transfer_params": ticket(1)}
-    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b", "n": 2}, ALICE, two)
-    assert [t["remote_request_id"] for t in released] == ["t1"]
+def test_a_ticket_for_a_request_no_conversation_continues_is_released_at_once(kept, released):
+    kept.keep(apis.RESPONSES, {"model": "m", "input": "a b"}, ALICE, ticket(1))
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b", "n": 2}, ALICE, ticket(2))
+    assert [t["remote_request_id"] for t in released] == ["t1", "t2"]
