@@ -233,7 +233,7 @@ def check_faults(
     before = [prefill.metric(n, 0.0) for n in names]
 
     def turn(prompt: str) -> tuple[str, dict[str, Any]]:
-        keep = {"keep_turn": True}  # as the proxy asks a decode leg it is not streaming
+        keep = {"keep_turn": True}  # kept as the proxy's named turns are: the ticket in the answer
         status, body = complete(decode.url, prompt, ANSWER_TOKENS, kv_transfer_params=keep)
         assert status == 200 and isinstance(body.get("kv_transfer_params"), dict), body
         return prompt + body["choices"][0]["text"], body["kv_transfer_params"]
