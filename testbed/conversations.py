@@ -1,7 +1,8 @@
 """Multi-turn conversations through the proxy, against vLLM alone (``reuse_turns``).
 
 N conversations of T turns, interleaved: every conversation's turn k at once, then turn
-k + 1. Each turn's prompt is the last one's, its answer and a new question (the copy task's,
+k + 1; every other conversation streams (its turn's ticket comes over the decode's side
+channel, not in the answer). Each turn's prompt is the last one's, its answer and a new question (the copy task's,
 on the shipped model). Every turn must equal vLLM's own answer (the prefill alone, salted,
 beforehand). Per turn it reports what the prefill did with the prompt tokens (vLLM's own
 ``prompt_tokens_by_source``: computed, loaded, found in its cache), the bound reuse promises
@@ -137,21 +138,33 @@ def scaled_model(dest: Path) -> Path:
 
 
 async def ask(
-    session: aiohttp.ClientSession, url: str, prompt: str, **extra: Any
+    session: aiohttp.ClientSession, url: str, prompt: str, stream: bool = False, **extra: Any
 ) -> tuple[dict[str, Any], float]:
-    """A greedy completion, and the prefill leg's milliseconds (Server-Timing), if any."""
-    body = {"model": "model", "prompt": prompt, **SAMPLING}
-    async with session.post(f"{url}/v1/completions", json={**body, **extra}) as resp:
-        answer = await resp.json()
-        assert resp.status == 200, f"{url}: HTTP {resp.status} {answer}"
+    """A greedy completion, and the prefill leg's milliseconds (Server-Timing), if any. A
+    ``stream``'s events are joined into the answer a whole one would be."""
+    body = {"model": "model", "prompt": prompt, **SAMPLING, **extra}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
         timing = resp.headers.get("Server-Timing", "")
+        if not stream:
+            answer = await resp.json()
+        else:
+            lines = [line.strip() async for line in resp.content]
+            events = [json.loads(x[6:]) for x in lines if x.startswith(b"data: {")]
+            choices = [c for e in events for c in e["choices"]]
+            last = {k: v for c in choices for k, v in c.items() if v is not None}
+            text = "".join(c["text"] for c in choices)
+            answer = {"choices": [{**last, "text": text}], "usage": events[-1]["usage"]}
+        assert resp.status == 200, f"{url}: HTTP {resp.status} {answer}"
     return answer, float(timing.rpartition("dur=")[2] or 0)
 
 
 def what_counts(answer: dict[str, Any]) -> tuple[Any, ...]:
     """What must equal vLLM alone's: the text, why it ended, and the usage."""
-    choice = answer["choices"][0]
-    return choice["text"], choice["finish_reason"], choice.get("stop_reason"), answer["usage"]
+    choice, usage = answer["choices"][0], answer["usage"]
+    counts = usage["prompt_tokens"], usage["completion_tokens"]
+    return choice["text"], choice["finish_reason"], choice.get("stop_reason"), counts
 
 
 async def ttft(session: aiohttp.ClientSession, url: str, prompt: str) -> float:
@@ -195,7 +208,9 @@ async def converse(
         for k, report in enumerate(reports):
             prompts = [h + conv[k] for h, conv in zip(histories, parts, strict=True)]
             sources, kept_before = by_source(prefill), kept(decode)
-            got = await asyncio.gather(*(ask(session, proxy, p) for p in prompts))
+            # Every other conversation streams: its turn's ticket comes over the side channel.
+            streamed = (ask(session, proxy, p, stream=i % 2 == 1) for i, p in enumerate(prompts))
+            got = await asyncio.gather(*streamed)
             await asyncio.sleep(1.0)  # the last step's stats reach /metrics
             moved = {s: v - sources[s] for s, v in by_source(prefill).items()}
             report.computed, report.loaded, report.cached = (int(moved[s]) for s in SOURCES)
