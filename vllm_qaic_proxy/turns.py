@@ -4,11 +4,12 @@ keeps it under the turn's request, and gives it to the prefill of the request th
 continues it, once. The prefill checks its prompt's tokens against the ticket's (else it
 computes), so a wrong guess here costs a recompute, never a wrong token.
 
-A request is known by its text: a completion's prompt, or a chat's messages (role and
-content); not the answer's, which a stream would have to be parsed for. A request continues
-the longest kept one its text begins with, of the same client (credentials), model and
-cache salt. A ticket not taken is released when it drops out of the store (``MAX_KEPT``),
-so the decode frees its blocks before the lease.
+A request is known by its text: a completion's prompt, or the messages (role and content)
+of a chat, of Anthropic's Messages or of a Responses request's input; not the answer's,
+which a stream would have to be parsed for. A request continues the longest kept one its
+text begins with, of the same client (credentials), model and cache salt. A ticket not
+taken is released when it drops out of the store (``MAX_KEPT``), so the decode frees its
+blocks before the lease.
 """
 
 from __future__ import annotations
@@ -33,8 +34,12 @@ def conversation(api: Api, body: dict[str, Any]) -> str | None:
         return None
     if api is apis.COMPLETIONS and isinstance(body.get("prompt"), str):
         return body["prompt"]
-    if api is apis.CHAT and isinstance(messages := body.get("messages"), list):
-        parts = (m for m in messages if isinstance(m, dict))
+    # Chat and Messages send the history as messages, Responses as input items (a Responses
+    # request that names a stored one instead is the decode's alone: `apis.answers_alone`).
+    history = body.get("input" if api is apis.RESPONSES else "messages")
+    if api is not apis.COMPLETIONS and isinstance(history, list):
+        system = {"role": "system", "content": body.get("system") or body.get("instructions")}
+        parts = (m for m in [system, *history] if isinstance(m, dict))
         return "".join(json.dumps([m.get("role"), m.get("content")]) + "\n" for m in parts)
     return None
 

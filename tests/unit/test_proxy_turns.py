@@ -73,6 +73,24 @@ def test_a_chat_continues_by_its_messages_whatever_the_answer_said(kept):
     assert kept.take(apis.CHAT, {"model": "m", "messages": guess}, ALICE) is not None
 
 
+@pytest.mark.parametrize(
+    ("api", "history", "system"),
+    [(apis.MESSAGES, "messages", "system"), (apis.RESPONSES, "input", "instructions")],
+    ids=["messages", "responses"],
+)
+def test_messages_and_responses_continue_by_their_history_and_system_prompt(
+    kept, api, history, system
+):
+    said = [{"role": "user", "content": "hi"}]
+    first = {"model": "m", system: "be brief", history: said}
+    kept.keep(api, first, ALICE, ticket(1))
+    again = [*said, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+    assert kept.take(api, {**first, system: "be long", history: again}, ALICE) is None
+    assert kept.take(api, {**first, history: again}, ALICE)["remote_request_id"] == "t1"
+    # A Responses input of one string continues nothing (no history to begin with).
+    assert turns.conversation(api, {"model": "m", history: "hi"}) is None
+
+
 def test_what_is_no_turn_s_ticket_is_not_kept(kept, released):
     body = {"model": "m", "prompt": "a b"}
     kept.keep(apis.COMPLETIONS, body, ALICE, None)  # the decode kept nothing
