@@ -41,6 +41,7 @@ from testbed.live_servers import (
 from testbed.proxy_clients import CHAT_TEMPLATE, _answer, _api_answer
 
 Request = tuple[str, dict[str, Any]]
+KEPT, LOADED = "vllm:qaic_kv_kept_turns_total", "vllm:qaic_kv_loaded_requests_total"
 CAP = 5  # the capped fleet's --override-generation-config max_new_tokens
 # The capped fleet's --speculative-config: drafts with no KV of their own, any model.
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
@@ -132,6 +133,42 @@ def requests_of(
         yield draw(rng, prompt, answer, token_ids(url, prompt), seeded)
 
 
+def said(path: str, got: Any) -> str | None:
+    """The text of an answer's one choice (whole or streamed), or None."""
+    if path == "/v1/responses":
+        if "text" in got:  # a stream's
+            return str(got["text"])
+        parts = [c for o in got.get("output", []) for c in o.get("content") or []]
+        return "".join(c.get("text", "") for c in parts)
+    choices = got.get("choices")
+    if not choices or len(choices) != 1:
+        return None
+    choice = choices[0]  # a list, or a stream's choices by index
+    text = choice.get("text") if path == "/v1/completions" else None
+    message = choice.get("message") or choice.get("delta") or {}
+    return text if isinstance(text, str) else message.get("content")
+
+
+def follow_up(rng: random.Random, request: Request, got: Any) -> Request | None:
+    """The next turn of ``request``'s conversation, as users send it: the history, vLLM's
+    answer and a new message, with the same options; None where it has no next turn (token
+    ids, prompt lists, n > 1, a refusal)."""
+    path, body = request
+    text = said(path, got) if "status" not in got else None
+    new = " " + " ".join(rng.choice(["more", "again", "s1", "copy", "then"]) for _ in range(4))
+    if text is None:
+        return None
+    if path == "/v1/completions" and isinstance(body["prompt"], str):
+        return path, {**body, "prompt": body["prompt"] + text + new}
+    history = body.get("messages") or body.get("input")
+    if isinstance(history, str):
+        history = [{"role": "user", "content": history}]
+    if path == "/v1/completions" or not isinstance(history, list):
+        return None
+    turns = [*history, {"role": "assistant", "content": text}, {"role": "user", "content": new}]
+    return path, {**body, ("input" if path == "/v1/responses" else "messages"): turns}
+
+
 def answer(url: str, path: str, body: dict[str, Any]) -> Any:
     """vLLM's answer without what differs every time, or a refusal's status and body. Not
     compared: whether a stream's completion counts never fall, which vLLM's own streams
@@ -176,10 +213,12 @@ def alone(prefill: VllmServer, path: str, body: dict[str, Any]) -> Any:
 
 
 def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
-            say: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
-    """Every request through the proxy and to the prefill alone; the differences."""
-    differences = []
-    for i, (path, body) in enumerate(reqs, 1):
+            say: Callable[[str], None], rng: random.Random) -> list[dict[str, Any]]:  # fmt: skip
+    """Every request through the proxy and to the prefill alone; the differences. After a
+    request, ``rng`` may draw its conversation's next turn instead of the next request."""
+    differences, turn = [], None
+    for i, drawn in enumerate(reqs, 1):
+        path, body = turn or drawn  # a conversation's next turn, where one was drawn
         got = answer(proxy.url, path, body)
         want = alone(prefill, path, body)
         # vLLM alone may answer a request differently from one time to the next (a streamed
@@ -195,17 +234,21 @@ def compare(proxy: Server, prefill: VllmServer, reqs: Iterator[Request],
             say(f"DIFFERENT {path} {shown(body)}\n  {where}")
         if i % 25 == 0:
             say(f"{i} compared, {len(differences)} different")
+        turn = follow_up(rng, (path, body), got) if maybe(rng, 0.4) else None
     return differences
 
 
 def fleet(
-    run: LiveRun, label: str, cores: tuple[str, str], extra: list[str], model: Path = MODEL
-) -> tuple:
-    """A prefill and a decode of ``model``, started with ``extra``."""
-    kv = {role: kv_config(role, run.engine_id(label + role[3]), free_port())
-          for role in ("kv_producer", "kv_consumer")}  # fmt: skip
-    prefill = run.vllm(f"{label}p", cores[0], kv["kv_producer"], extra_args=extra, model=model)
-    decode = run.vllm(f"{label}d", cores[1], kv["kv_consumer"], extra_args=extra, model=model)
+    run: LiveRun, label: str, cores: tuple[str, str], extra: list[str], model: Path = MODEL,
+    reuse: bool = False,
+) -> tuple:  # fmt: skip
+    """A prefill and a decode of ``model``, started with ``extra``; ``reuse``: the decode
+    keeps turns for the next turn's prefill (``reuse_turns``)."""
+    roles = ("kv_producer", "kv_both" if reuse else "kv_consumer")
+    kv = {role: kv_config(role, run.engine_id(label + role[3]), free_port(), reuse_turns=reuse)
+          for role in roles}  # fmt: skip
+    prefill = run.vllm(f"{label}p", cores[0], kv[roles[0]], extra_args=extra, model=model)
+    decode = run.vllm(f"{label}d", cores[1], kv[roles[1]], extra_args=extra, model=model)
     return prefill, decode
 
 
@@ -240,17 +283,21 @@ def run_differential(
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
         fleets = {"plain": fleet(run, "plain", ("0", "1"), chat, model),
-                  "capped": fleet(run, "capped", ("0", "1"), cap, model)}  # fmt: skip
+                  "capped": fleet(run, "capped", ("0", "1"), cap, model, reuse=True)}  # fmt: skip
         wait_all_ready(*(s for f in fleets.values() for s in f))
         for name, (prefill, decode) in fleets.items():
-            proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel])
+            options = ("--reuse-turns",) if name == "capped" else ()
+            proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel], options=options)
             wait_all_ready(proxy)
             rng = random.Random(f"{seed}-{name}")
             say(f"[differential] fleet {name}: {n} requests, seed {seed}")
             seeded = name == "plain" or not speculative
             reqs = requests_of(rng, n, prefill.url, name, seeded)
-            found = compare(proxy, prefill, reqs, say)
+            found = compare(proxy, prefill, reqs, say, rng)
             say(f"[differential] fleet {name}: {n} compared, {len(found)} different")
+            if name == "capped":  # the next turns' loads of the turns the decode kept
+                kept, loaded = decode.metric(KEPT, 0.0), prefill.metric(LOADED, 0.0)
+                say(f"[differential] fleet {name}: {kept:.0f} turns kept, {loaded:.0f} loaded")
             differences += found
         run.keep |= bool(differences)  # the engines' logs say why (a crash: its stack)
     return differences
