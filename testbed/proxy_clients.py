@@ -339,9 +339,12 @@ def check_answers_match_vllm(
 # Fields of a Responses or Messages answer that differ every time (ids, clocks), at any depth;
 # and the prompt tokens an engine computed and wrote to its prefix cache, which vLLM counts
 # on the engine that computed them: a handoff's prefill, not the decode that answers.
+# cached_tokens: the serving engine's cache state, not the answer (vLLM alone, salted,
+# holds none; a decode reports its prefill's hits, as vLLM's P/D does: a conversation's
+# next turn finds its history cached there, or loads it from the decode's kept turn).
 CHANGING = (
     "id", "created_at", "item_id", "kv_transfer_params", "sequence_number",
-    "cache_write_tokens", "cache_creation_input_tokens",
+    "cache_write_tokens", "cache_creation_input_tokens", "cached_tokens",
 )  # fmt: skip
 
 
