@@ -2,13 +2,14 @@
 
 N conversations of T turns, interleaved: every conversation's turn k at once, then turn
 k + 1; every other conversation streams (its turn's ticket comes over the decode's side
-channel, not in the answer). Each turn's prompt is the last one's, its answer and a new question (the copy task's,
-on the shipped model). Every turn must equal vLLM's own answer (the prefill alone, salted,
-beforehand). Per turn it reports what the prefill did with the prompt tokens (vLLM's own
-``prompt_tokens_by_source``: computed, loaded, found in its cache), the bound reuse promises
-(the tokens since the last turn's KV, plus a block), the decode's kept turns, and the
-prefill leg's time (the proxy's Server-Timing: the client's TTFT on the first-token path)
-against vLLM alone's TTFT for the same prompt.
+channel, not in the answer). Each turn's prompt is the last one's, its answer and a new
+question (the copy task's, on the shipped model). Every turn must equal vLLM's own answer
+(the prefill alone, salted, beforehand). Per turn it reports what the prefill did with the
+prompt tokens (vLLM's own ``prompt_tokens_by_source``: computed, loaded, found in its
+cache), the bound reuse promises (the tokens past those the prompt shares with the last
+turn's KV, plus a block), the decode's kept turns, and the prefill leg's time (the proxy's
+Server-Timing: the client's TTFT on the first-token path) against vLLM alone's TTFT for
+the same prompt.
 
 Then the faults (``--faults``), each asked of the prefill as a router would, with a turn's
 ticket from the decode: a history edited mid-way (the turn's whole blocks before the edit
