@@ -316,10 +316,10 @@ class PrefillHandoffs:
         released = [rid for rid in self._direct_held if not self.pool.has(rid)]
         for rid in released:
             del self._direct_held[rid]
-        self._turns = [rid for rid in self._turns if rid in self._direct_held]
-        self.named_turns = {
-            n: t for n, t in self.named_turns.items() if t.remote_request_id in self._direct_held
-        }
+        if released:  # run every step: the kept turns are looked through only when one went
+            held, named = self._direct_held, self.named_turns.items()
+            self._turns = [rid for rid in self._turns if rid in held]
+            self.named_turns = {n: t for n, t in named if t.remote_request_id in held}
         return released
 
     def evict_turns(self) -> None:
