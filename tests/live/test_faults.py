@@ -1232,20 +1232,21 @@ class TestNixl:
     def test_i_a_long_prompt_of_a_model_with_llama_3_8b_s_kv_is_handed_off(
         self, nixl_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
     ) -> None:
-        """A model with Llama-3-8B's KV layers (32 of 8 KV heads of 128), a 2,200-token
+        """A model with Llama-3-8B's KV layers (32 of 8 KV heads of 128), a 1,200-token
         prompt, over NIXL with the default configuration: staged, loaded, and answered as the
         decode alone answers it. Before, the staging pool was a fixed 256 MiB (2,048 tokens
-        of Llama-3-8B's 128 KiB): every longer prompt got HTTP 503 through the proxy.
+        of Llama-3-8B's 128 KiB in bf16): every longer prompt got HTTP 503 through the proxy.
 
-        Served in float32 (256 KiB a token, 550 MiB staged): in bf16 a handoff's decode
-        computes the prompt's last token over loaded KV and the decode alone inside its
-        prefill, and their logprobs part by ~0.02, which flips this random model's near-ties
-        (CI, at 3,000 tokens and again at 2,200); in float32 they are 7e-6 apart, so the
+        Served in float32 (256 KiB a token: 300 MiB staged, past the old pool): in bf16 a
+        handoff's decode computes the prompt's last token over loaded KV and the decode alone
+        inside its prefill, and their logprobs part by ~0.02, which flips this random model's
+        near-ties (CI, at 3,000 tokens and again at 2,200); in float32 they are 7e-6 apart, so the
         answers must be equal token for token."""
         c = nixl_cluster
         model = random_model(tmp_path_factory, "llama_8b_kv")
-        # Two 2,200-token prompts of 256 KiB a token stay in the decode's cache (1.1 GiB).
-        context = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(5 << 28),
+        prompt, kv_per_token = 1200, 32 * 2 * 8 * 128 * 4  # float32 K and V of 32 layers
+        # Two 1,200-token prompts of 256 KiB a token stay in the decode's cache (600 MiB).
+        context = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(3 << 28),
                    "--dtype", "float32"]  # fmt: skip
 
         def serve(name: str, core: str, role: str) -> VllmServer:
@@ -1261,7 +1262,7 @@ class TestNixl:
         try:
             text = " ".join(p for p, _ in c.prompts(100))
             ids = token_ids(decode.url, text)
-            body = {"model": "model", "prompt": (ids * (2200 // len(ids) + 1))[:2200],
+            body = {"model": "model", "prompt": (ids * (prompt // len(ids) + 1))[:prompt],
                     "max_tokens": 8, "temperature": 0.0, "logprobs": 2}  # fmt: skip
             r = requests.post(f"{proxy.url}/v1/completions", json=body, timeout=CLIENT_TIMEOUT_S)
             assert r.status_code == 200, r.text[:300]
@@ -1272,7 +1273,7 @@ class TestNixl:
             time.sleep(1.0)  # the last step's connector stats reach /metrics
             tokens, loaded = r.json()["usage"]["prompt_tokens"], decode.metric(LOADED, 0.0)
             say("Llama-3-8B's KV over NIXL", prompt_tokens=tokens, loaded=loaded)
-            assert tokens > 2048 and loaded == 1
+            assert tokens * kv_per_token > 256 << 20 and loaded == 1  # past the old pool
             got, alone_lp = (x.json()["choices"][0]["logprobs"] for x in (r, want))
             assert got["tokens"] == alone_lp["tokens"]
         finally:

@@ -6,15 +6,16 @@ Conversations over shm, with the faults; the make target runs every combination 
 
 from __future__ import annotations
 
-import datetime
 import random
 
 from testbed.conversations import print_reports, run
 from testbed.live_servers import MODEL, random_model
 
 
-def test_each_turn_equals_vllm_s_and_the_prefill_computes_only_what_is_new(tmp_path_factory):
-    seed = int(datetime.date.today().strftime("%Y%m%d"))
+def test_each_turn_equals_vllm_s_and_the_prefill_computes_only_what_is_new(
+    tmp_path_factory, day_seed
+):
+    seed = day_seed
     byte_level, caching = random.Random(seed).choice([(False, True), (False, False), (True, False)])
     model = random_model(tmp_path_factory, "qwen3") if byte_level else MODEL
     shape = {"conversations": 4, "turns": 3} if byte_level else {"conversations": 8, "turns": 4}
