@@ -740,6 +740,7 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert freed, f"{c.prefill.metric(PAGES_IN_USE)} staging pages still in use"
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_decode_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "decode")
 
@@ -765,6 +766,7 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert loaded == 0
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "prefill")
 
@@ -1246,7 +1248,7 @@ class TestNixl:
         model = random_model(tmp_path_factory, "llama_8b_kv")
         prompt, kv_per_token = 1200, 32 * 2 * 8 * 128 * 4  # float32 K and V of 32 layers
         # Two 1,200-token prompts of 256 KiB a token stay in the decode's cache (600 MiB).
-        context = ["--max-model-len", "4096", "--kv-cache-memory-bytes", str(3 << 28),
+        context = ["--max-model-len", "2048", "--kv-cache-memory-bytes", str(3 << 28),
                    "--dtype", "float32"]  # fmt: skip
 
         def serve(name: str, core: str, role: str) -> VllmServer:
@@ -1286,5 +1288,6 @@ class TestNixl:
         prefill reads from an agent that is gone."""
         check_prefill_killed_before_read(nixl_cluster)
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, nixl_cluster: Cluster) -> None:
         check_restart(nixl_cluster, "prefill")
