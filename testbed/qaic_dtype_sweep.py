@@ -9,12 +9,18 @@ with its own seed (weights and tokenizer corpus), over shm and NIXL in turn. Eac
 run is scripts/run_accuracy_test.sh with DECODE_TARGET=qaic DTYPE=bfloat16
 QAIC_DTYPE=float16: the endpoint converts in its copy into the slot. Exit status 1 if the
 tokens over all agree less than --min (99%, issue 55) or a run fails otherwise.
+
+``--measure vllm-alone`` (or ``both``) measures the floor under any such bar: vLLM alone, in
+bf16, answering the same prompts one at a time against its own answers at concurrency 8 (as
+the reference runs). On these near-tied random models the batch a request shares moves its
+logits enough to flip tokens, so no other decode can be held to more than vLLM holds itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -49,6 +55,32 @@ def one_run(model: Path, transport: str, prompts: int, program: str) -> tuple[fl
     return float(m.group(1)), int(m.group(2)), out
 
 
+def vllm_alone(model: Path, prompts: int, workdir: Path) -> tuple[float, int]:
+    """(% of tokens, tokens): vLLM alone in bf16, the prompts one at a time against its own
+    answers at concurrency 8."""
+    from testbed.live_servers import VllmServer  # the sweep itself needs no vLLM import
+
+    server = VllmServer(f"alone-{model.name}", workdir, "0-1", None, model=model,
+                        extra_args=["--dtype", "bfloat16"]).start()  # fmt: skip
+    answers = []
+    try:
+        server.wait_ready()
+        for concurrency in (8, 1):
+            out = workdir / f"{model.name}-c{concurrency}.json"
+            subprocess.run([str(PY), str(ROOT / "scripts" / "accuracy_check.py"), "run", "--url",
+                            server.url, "--model", "model", "--task", "text", "--model-dir",
+                            str(model), "--num-prompts", str(prompts), "--concurrency",
+                            str(concurrency), "--cache-salt", f"c{concurrency}", "--out",
+                            str(out)], check=True, capture_output=True)  # fmt: skip
+            answers.append(json.loads(out.read_text()))
+    finally:
+        server.stop()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from accuracy_check import token_agreement
+
+    return token_agreement(answers[1], answers[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser("python -m testbed.qaic_dtype_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -58,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min", type=float, default=99.0, help="tokens agreeing over all, %%")
     help = "no control run (each model also into a bf16 program: no conversion)"
     p.add_argument("--no-control", action="store_true", help=help)
+    help = "qaic: the QAIC runs; vllm-alone: vLLM against itself (the floor); both"
+    p.add_argument("--measure", choices=["qaic", "vllm-alone", "both"], default="both", help=help)
     args = p.parse_args(argv)
-    same = total = control = 0.0
+    same = total = control = alone = alone_total = 0.0
     with tempfile.TemporaryDirectory(prefix="qaic-dtype-sweep-") as tmp:
         for i in range(args.models):
             (arch, tokenizer), seed = STYLES[i % len(STYLES)], args.first_seed + i
@@ -68,15 +102,31 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([str(PY), str(ROOT / "scripts" / "make_random_model.py"), str(model),
                             "--arch", arch, "--tokenizer", tokenizer, "--seed", str(seed)],
                            check=True, capture_output=True)  # fmt: skip
+            line = ""
+            if args.measure != "qaic":
+                pct, tokens = vllm_alone(model, args.prompts, Path(tmp))
+                alone, alone_total = alone + pct * tokens / 100, alone_total + tokens
+                line = f"vLLM alone against itself {pct:.2f}% of {tokens} tokens; "
+            if args.measure == "vllm-alone":
+                print(
+                    f"[sweep] {i + 1}/{args.models} {arch} {tokenizer} seed {seed}: {line}",
+                    flush=True,
+                )
+                continue
             pct, tokens, _ = one_run(model, transport, args.prompts, "float16")
             same, total = same + pct * tokens / 100, total + tokens
-            line = f"{pct:.2f}% of {tokens} tokens agree"
+            line += f"{pct:.2f}% of {tokens} tokens agree"
             if not args.no_control:  # the same decode without a conversion
                 kept, _, _ = one_run(model, transport, args.prompts, "bfloat16")
                 control += kept * tokens / 100
                 line += f" (into a bf16 program: {kept:.2f}%)"
             print(f"[sweep] {i + 1}/{args.models} {arch} {tokenizer} seed {seed} over "
                   f"{transport}: {line}", flush=True)  # fmt: skip
+    if alone_total:
+        print(f"vLLM alone, one request at a time against its answers at concurrency 8: "
+              f"{100 * alone / alone_total:.2f}% of {alone_total:.0f} tokens agree")  # fmt: skip
+    if args.measure == "vllm-alone":
+        return 0
     overall = 100.0 * same / max(total, 1)
     print(
         f"qaic dtype sweep: bf16 prefill -> float16 program, {args.models} random models, "
