@@ -260,18 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=MODEL, help=other)
     spec = "the capped fleet's --speculative-config (JSON; none: off), vLLM alone's too"
     p.add_argument("--speculative-config", default=NGRAM, help=spec)
+    p.add_argument("--fleet", choices=FLEETS, default=None, help="only this fleet")
     a = p.parse_args(argv)
     speculative = None if a.speculative_config == "none" else a.speculative_config
-    found = run_differential(a.requests, a.seed, print, a.model, speculative)
+    found = run_differential(a.requests, a.seed, print, a.model, speculative, a.fleet)
     return 1 if found else 0
+
+
+FLEETS = ("plain", "capped")
 
 
 def run_differential(
     n: int, seed: int, say: Callable[[str], None], model: Path = MODEL,
-    speculative: str | None = NGRAM,
+    speculative: str | None = NGRAM, only: str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Both fleets (vLLM's defaults; a generation-config cap, ``speculative`` decoding),
-    ``n`` requests each."""
+    ``n`` requests each; ``only``: that one of `FLEETS`."""
     chat = ["--chat-template", CHAT_TEMPLATE]  # the model has none: the text as it is
     if model != MODEL:  # random weights: float32, as the harness serves them (no near-ties)
         chat += ["--dtype", "float32"]
@@ -282,8 +286,11 @@ def run_differential(
         cap += ["--speculative-config", speculative]
     differences: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
-        fleets = {"plain": fleet(run, "plain", ("0", "1"), chat, model),
-                  "capped": fleet(run, "capped", ("0", "1"), cap, model, reuse=True)}  # fmt: skip
+        starts = {
+            "plain": lambda: fleet(run, "plain", ("0", "1"), chat, model),
+            "capped": lambda: fleet(run, "capped", ("0", "1"), cap, model, reuse=True),
+        }
+        fleets = {name: start() for name, start in starts.items() if only in (None, name)}
         wait_all_ready(*(s for f in fleets.values() for s in f))
         for name, (prefill, decode) in fleets.items():
             options = ("--reuse-turns",) if name == "capped" else ()

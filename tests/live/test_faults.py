@@ -989,9 +989,11 @@ class TestShm:
             d.kill(signal.SIGTERM)
             d.wait_gone(15)
 
+    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_draft_model_s_kv_keeps_its_place(self, shm_cluster: Cluster) -> None:
         check_draft_model_handoff(shm_cluster)
 
+    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
         self, shm_cluster: Cluster
     ) -> None:
