@@ -67,16 +67,15 @@ def vllm_alone(model: Path, prompts: int, workdir: Path) -> tuple[float, int]:
         server.wait_ready()
         for concurrency in (8, 1):
             out = workdir / f"{model.name}-c{concurrency}.json"
-            subprocess.run([str(PY), str(ROOT / "scripts" / "accuracy_check.py"), "run", "--url",
+            subprocess.run([str(PY), "-m", "scripts.accuracy_check", "run", "--url",
                             server.url, "--model", "model", "--task", "text", "--model-dir",
                             str(model), "--num-prompts", str(prompts), "--concurrency",
                             str(concurrency), "--cache-salt", f"c{concurrency}", "--out",
-                            str(out)], check=True, capture_output=True)  # fmt: skip
+                            str(out)], check=True, capture_output=True, cwd=ROOT)  # fmt: skip
             answers.append(json.loads(out.read_text()))
     finally:
         server.stop()
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from accuracy_check import token_agreement
+    from scripts.accuracy_check import token_agreement
 
     return token_agreement(answers[1], answers[0])
 
