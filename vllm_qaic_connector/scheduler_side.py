@@ -183,10 +183,12 @@ class SchedulerSide:
         if self.cfg.reuse_turns:
             self.handoffs.evict_turns()
         released = self.handoffs.released_direct()  # before drain_freed
+        # Before the seals: a kept turn released by then is never sealed (`saves_for_step`).
+        invalidate = self.pool.drain_freed()
         return QAICConnectorMetadata(
             saves=self.handoffs.saves_for_step(scheduler_output),
             loads=self.loads.take(),
-            invalidate=self.pool.drain_freed(),
+            invalidate=invalidate,
             await_saves=self.handoffs.take_await_saves(),
             release_direct=released,
             preempted=self.handoffs.preempted(scheduler_output),

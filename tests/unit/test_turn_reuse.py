@@ -5,6 +5,7 @@ exactly those tokens."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import msgspec
@@ -13,7 +14,16 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from testbed.handshake_ranks import rank_meta
-from testbed.vllm_harness import BS, free_blocks, make_request, make_scheduler, meta, step
+from testbed.vllm_harness import (
+    BS,
+    free_blocks,
+    make_request,
+    make_scheduler,
+    meta,
+    params_of,
+    step,
+)
+from testbed.worker_processes import make_worker
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
 from vllm_qaic_connector.protocol.wire import (
@@ -24,6 +34,7 @@ from vllm_qaic_connector.protocol.wire import (
     block_chain,
     prompt_hash,
 )
+from vllm_qaic_connector.tickets import HEADER_BYTES, header_generation
 
 REUSE = {"reuse_turns": True, "lease_s": 60.0}
 
@@ -219,3 +230,36 @@ def test_with_a_key_a_turn_s_ticket_is_signed_and_an_edited_one_ignored(monkeypa
     finally:
         decode.connector.shutdown()
         prefill.connector.shutdown()
+
+
+def test_a_turn_evicted_in_the_step_it_was_kept_leaves_no_valid_header(decode):
+    """A decode short of blocks evicts a kept turn at the step after it was kept, the step
+    that would seal its header. Each step's metadata runs on a real worker half: a header
+    is never valid over blocks vLLM was told it may free, and no step both seals a turn's
+    header and gives up its blocks."""
+    args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu_vec")
+    worker = make_worker({**args, "engine": f"ev{os.getpid()}", "extra": REUSE}, seed=3)
+    evicted = counted(decode, "evicted_turns")
+    try:
+        decode.add_request(make_request("big", 880, max_tokens=50, first=100))  # 55 of 64
+        decode.add_request(make_request("t1", 40, {"keep_turn": True}, 10))
+        sending: set[str] = set()
+        ticket = None
+        for _ in range(12):
+            out, outputs = step(decode, KVConnectorOutput(finished_sending=sending))
+            step_meta = meta(out)
+            sealed = {s.request_id for s in step_meta.saves if s.generation}
+            assert not sealed & set(step_meta.release_direct), "sealed and released at once"
+            worker.bind(step_meta)
+            worker.wait_for_save()
+            worker.bind(None)
+            sending = worker.get_finished()[0] or set()
+            ticket = ticket or params_of(outputs, "t1")
+            if ticket is not None and "t1" in sending:
+                assert worker.transport is not None
+                at = ticket["staging_offset"]
+                header = worker.transport.staging[at : at + HEADER_BYTES]
+                assert header_generation(header) == 0, "a live header over freed blocks"
+        assert ticket is not None and sum(evicted) == 1  # kept, then evicted under pressure
+    finally:
+        worker.shutdown()

@@ -244,7 +244,12 @@ class PrefillHandoffs:
     # --- each step ----------------------------------------------------------------------
 
     def saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
-        saves, self._seals = self._seals, []
+        """This step's saves, and the seals of turns kept since the last step. Run after the
+        pool's drain_freed: a turn released by then (evicted, released, expired) is not
+        sealed, as its blocks go back to vLLM; one released later is invalidated at the
+        next step, before its blocks are reported free."""
+        saves = [seal for seal in self._seals if self.pool.has(seal.request_id)]
+        self._seals = []
         for rid, outgoing in self._outgoing.items():
             req, scheduled = outgoing.request, out.num_scheduled_tokens.get(rid, 0)
             if req is None or scheduled == 0:
