@@ -8,6 +8,7 @@ import queue
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
@@ -33,6 +34,7 @@ from vllm_qaic_connector.protocol.wire import (
     Ok,
     ReleaseRequest,
     RemotePrefill,
+    ticket_binding,
 )
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
@@ -231,6 +233,7 @@ def run_handoff(
     transport="shm",
     stale=0,
     holds_until=0.0,
+    edited=None,
     window=0,
     async_saves=True,
     idle=False,
@@ -245,9 +248,27 @@ def run_handoff(
     src_blocks = [list(range(n_src_blocks, 0, -1))] * len(starts)
     if window:  # the sliding-window group has its own block table
         src_blocks[0] = list(range(1, n_src_blocks + 1))
+    ticket = RemotePrefill(  # its port and incarnation once the prefill runs
+        do_remote_prefill=True,
+        remote_engine_id=engine,
+        remote_host="127.0.0.1",
+        remote_port=1,
+        remote_request_id="r1",
+        num_tokens=num_tokens,
+        staging_offset=4096,
+        staged_layout=p_layout,
+        staged_block_size=p_block,
+        incarnation="",
+        generation=generation + stale,
+        prompt_hash="0" * 32,  # the decode's scheduler checks it, not the worker
+        lease_s=60.0,
+        expires_at=time.time() + 60.0,
+        group_starts=starts if window else (),
+    )
     save = SaveSpec(
         request_id="r1", block_ids=tuple(src_blocks), num_tokens=num_tokens, staging_offset=4096,
         layout_kind=p_layout, block_size=p_block, generation=generation, starts=starts,
+        binding=ticket_binding(ticket),
     )  # fmt: skip
     procs, pre = start_ranks(
         prefill_rank,
@@ -276,22 +297,8 @@ def run_handoff(
         return Ok()
 
     server = SideChannelServer("127.0.0.1", 0, handle, None)
-    remote = RemotePrefill(
-        do_remote_prefill=True,
-        remote_engine_id=engine,
-        remote_host="127.0.0.1",
-        remote_port=server.port,
-        remote_request_id="r1",
-        num_tokens=num_tokens,
-        staging_offset=4096,
-        staged_layout=p_layout,
-        staged_block_size=p_block,
-        incarnation=ranks[0].incarnation,
-        generation=generation + stale,
-        prompt_hash="0" * 32,  # the decode's scheduler checks it, not the worker
-        lease_s=60.0,
-        expires_at=time.time() + 60.0,
-        group_starts=starts if window else (),
+    remote = msgspec.structs.replace(
+        ticket, remote_port=server.port, incarnation=ranks[0].incarnation, **(edited or {})
     )
     dprocs, dec = start_ranks(
         decode_rank,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_qaic_connector.protocol.wire import RemotePrefill
+from vllm_qaic_connector.protocol.wire import UNBOUND, RemotePrefill
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,7 @@ class SaveSpec:
     first: int = 0
     last: int = 0  # 0: num_tokens
     direct: bool = False  # nothing to copy: the decode reads block_ids out of our cache
+    binding: bytes = UNBOUND  # the final save's: what its ticket names (`ticket_binding`)
 
 
 @dataclass(frozen=True, kw_only=True)

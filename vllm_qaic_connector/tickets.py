@@ -1,8 +1,10 @@
 """Transfer tickets: proof that a staged region still holds what a decode was told it holds.
 
-Every staged region starts with a small header that repeats the region's generation. The
-prefill hands the generation out in ``kv_transfer_params`` (with its incarnation and a hash
-of the prompt's token ids). The writer zeroes a region's header before anything overwrites
+Every staged region starts with a small header that repeats the region's generation and
+binds what its ticket names (`wire.ticket_binding`: tokens, blocks, format), so a ticket
+edited to name other blocks or more tokens is refused by the header itself. The prefill
+hands the generation out in ``kv_transfer_params`` (with its incarnation and a hash of the
+prompt's token ids). The writer zeroes a region's header before anything overwrites
 its bytes (reuse) or when it is given up (release, lease expiry); a reader checks the header
 before and after its copy, seqlock style. So a read that raced a reuse, or came after the
 region was given up, is detected and becomes a load error, never wrong tokens.
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_qaic_connector.protocol.wire import TransportEndpoint
+from vllm_qaic_connector.protocol.wire import UNBOUND, TransportEndpoint
 
 if TYPE_CHECKING:  # any transport: the scheduler half imports this module too
     from vllm_qaic_connector.transports.base import KVTransport
@@ -36,7 +38,8 @@ SEAL_WAIT_S = 10.0  # how long a reader waits for a promised region to be sealed
 
 
 class StaleTicket(ConnectionError):
-    """The staged region no longer holds the ticket's KV (reused, released or expired)."""
+    """The staged region does not hold the ticket's KV (reused, released or expired; or
+    the ticket was edited)."""
 
 
 def new_incarnation() -> str:
@@ -59,14 +62,22 @@ def header_generation(header: torch.Tensor) -> int:
     return generation if magic == MAGIC else 0
 
 
+def header_binding(header: torch.Tensor) -> bytes:
+    """What a sealed region's header binds (`wire.ticket_binding`)."""
+    return bytes(header[24 : 24 + len(UNBOUND)].tolist())
+
+
 def promised_generation(header: torch.Tensor) -> int:
     """The generation a save in flight will seal the region with; 0 if none."""
     return int(_words(header)[2])
 
 
-def seal(header: torch.Tensor, generation: int) -> None:
-    """Writes the header; a final seal (generation set) also fulfils the promise, while
-    an unsealing one leaves the promise word alone (the engine thread may be writing it)."""
+def seal(header: torch.Tensor, generation: int, binding: bytes = UNBOUND) -> None:
+    """Writes the header; a final seal (generation set) also fulfils the promise and
+    writes the ``binding`` first, while an unsealing one leaves the promise word alone (the
+    engine thread may be writing it)."""
+    if generation:
+        header[24 : 24 + len(UNBOUND)].copy_(torch.tensor(list(binding), dtype=torch.uint8))
     words = [MAGIC, generation, 0] if generation else [MAGIC, 0]
     _words(header)[: len(words)].copy_(torch.tensor(words, dtype=torch.int64))
 
@@ -83,9 +94,12 @@ class RegionHeaders:
         self._lock = threading.Lock()
 
     @contextmanager
-    def writing(self, start: int, end: int, generation: int) -> Iterator[torch.Tensor]:
-        """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed on success
-        (generation 0: a part of the region, left unsealed until its last part)."""
+    def writing(
+        self, start: int, end: int, generation: int, binding: bytes = UNBOUND
+    ) -> Iterator[torch.Tensor]:
+        """Yields the region's KV bytes ``[start + HEADER_BYTES, end)``; sealed with
+        ``binding`` on success (generation 0: a part of the region, left unsealed until its
+        last part)."""
         header = self._staging[start : start + HEADER_BYTES]
         with self._lock:
             i = bisect.bisect_left(self._starts, start)
@@ -97,7 +111,7 @@ class RegionHeaders:
         yield self._staging[start + HEADER_BYTES : end]
         if generation:
             with self._lock:
-                seal(header, generation)
+                seal(header, generation, binding)
                 bisect.insort(self._starts, start)
                 self._ends[start] = end
 
@@ -129,9 +143,11 @@ def checked_read(
     nbytes: int,
     generation: int,
     notify: bytes | None = None,
+    binding: bytes = UNBOUND,
 ) -> Iterator[torch.Tensor]:
     """Yields a staged region's KV bytes; raises StaleTicket if the header did not hold
-    ``generation`` both before the read and after the caller's copy. ``notify`` travels
+    ``generation`` both before the read and after the caller's copy, or binds other than
+    ``binding`` (the ticket's `wire.ticket_binding`). ``notify`` travels
     with the final header read, so the prefill frees the region only after both checks.
     ``nbytes`` 0 reads the header alone, for a caller that moves the bytes itself (a READ
     straight into its own memory): it is checked before and after the body of the ``with``."""
@@ -142,6 +158,11 @@ def checked_read(
         region = transport.read(peer, offset, HEADER_BYTES + nbytes)
     try:
         _expect(header_generation(region[:HEADER_BYTES]), generation, "before the copy")
+        if header_binding(region[:HEADER_BYTES]) != binding:
+            raise StaleTicket(
+                "the staged region was sealed for other tokens, blocks or format than the "
+                "ticket names: the kv_transfer_params were edited"
+            )
         yield region[HEADER_BYTES:]
     finally:
         transport.release_read(peer, offset)

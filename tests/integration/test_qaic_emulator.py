@@ -41,6 +41,7 @@ from vllm_qaic_connector.protocol.wire import (
     compat_hash,
     parse_ack,
     prompt_hash,
+    ticket_binding,
 )
 from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
@@ -109,10 +110,6 @@ class FakePrefill:
         self.generation += 1
         dst_blocks = list(range(blocks_for_tokens(n, block)))
         end = at + HEADER_BYTES + fmt.request_bytes(n)
-        with self.headers.writing(at, end, self.generation) as region:
-            region.zero_()
-            for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
-                copy_layers([(layer.keys, layer.values)], [0], [dst], dst_blocks, 0, n)
         params = RemotePrefill(
             do_remote_prefill=True,
             remote_engine_id=self.engine,
@@ -129,6 +126,10 @@ class FakePrefill:
             lease_s=lease_s,
             expires_at=time.time() + lease_s,
         )
+        with self.headers.writing(at, end, self.generation, ticket_binding(params)) as region:
+            region.zero_()
+            for layer, dst in zip(cache.layers, fmt.layer_views(region, n), strict=True):
+                copy_layers([(layer.keys, layer.values)], [0], [dst], dst_blocks, 0, n)
         return msgspec.to_builtins(params)
 
     def close(self) -> None:

@@ -133,6 +133,23 @@ def test_ticket_of_another_generation_is_a_load_error(transport):
     assert "r1" in released  # given up over the side channel: the prefill frees it
 
 
+# An unsigned ticket edited by whoever carries it (over a transport each).
+EDITED = [("shm", {"num_tokens": 100}), ("nixl", {"prompt_hash": "1" * 32}),
+          ("shm", {"group_starts": (32,)})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("transport", "edit"), EDITED, ids=[str(e) for _, e in EDITED])
+def test_a_ticket_edited_to_name_other_kv_is_refused_by_the_header(transport, edit):
+    """The header binds the tokens, prompt and format the prefill sealed the region for: a
+    ticket that names more tokens (bytes past the region: the next request's) or another
+    prompt is a load error before anything is copied, with no key on either side."""
+    _, outs, released = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 70, transport=transport,
+                                    edited=edit)  # fmt: skip
+    assert outs[0]["done"] == {"d1"} and outs[0]["errors"] == {3, 4, 5}
+    assert outs[0]["stats"].get("load_failures") == 1
+    assert outs[0]["stats"].get("loaded_requests") is None
+
+
 def test_a_read_after_the_lease_ran_out_is_a_load_error():
     """The region still holds the ticket's generation (an idle prefill has not yet freed
     it), but the lease the decode knows of has ended: the read never starts."""

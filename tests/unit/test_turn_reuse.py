@@ -6,6 +6,7 @@ exactly those tokens."""
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import msgspec
@@ -32,9 +33,17 @@ from vllm_qaic_connector.protocol.wire import (
     TurnReply,
     TurnRequest,
     block_chain,
+    parse_remote_prefill,
     prompt_hash,
+    ticket_binding,
 )
-from vllm_qaic_connector.tickets import HEADER_BYTES, header_generation
+from vllm_qaic_connector.tickets import (
+    HEADER_BYTES,
+    StaleTicket,
+    checked_read,
+    header_generation,
+)
+from vllm_qaic_connector.transports.shm import ShmTransport
 
 REUSE = {"reuse_turns": True, "lease_s": 60.0}
 
@@ -175,8 +184,8 @@ def test_the_next_prefill_loads_the_whole_blocks_its_prompt_shares_with_the_turn
         return
     (load,) = meta(out).loads
     assert load.error is None and load.first_token == 0 and load.claimed == loaded
-    assert load.remote.num_tokens == loaded
-    assert load.remote.block_ids == tuple(ticket["block_ids"][: -(-loaded // BS)])
+    # The whole ticket goes to the worker (its header binds it all); the load stops at claimed.
+    assert load.remote.num_tokens == 49 and load.remote.block_ids == tuple(ticket["block_ids"])
     step(prefill, KVConnectorOutput(finished_recving={"p2"}))
     out, _ = step(prefill)
     assert out.num_scheduled_tokens["p2"] == len(prompt) - loaded  # the rest only
@@ -262,4 +271,39 @@ def test_a_turn_evicted_in_the_step_it_was_kept_leaves_no_valid_header(decode):
                 assert header_generation(header) == 0, "a live header over freed blocks"
         assert ticket is not None and sum(evicted) == 1  # kept, then evicted under pressure
     finally:
+        worker.shutdown()
+
+
+TICKET_EDITS = {
+    "other blocks of the decode's cache": {"block_ids": [0, 1, 2, 3]},
+    "more tokens": {"num_tokens": 64},
+    "another prompt": {"prompt_hash": "0" * 32},
+    "another chain": {"block_hashes": ["0" * 32] * 3},
+}
+
+
+@pytest.mark.parametrize("edit", [{}, *TICKET_EDITS.values()], ids=["as issued", *TICKET_EDITS])
+def test_a_turn_s_header_binds_what_its_ticket_names_without_a_key(decode, edit):
+    """The header the worker seals commits to the ticket's blocks, tokens and chain: an
+    unsigned ticket edited to name anything else fails the read before any KV is copied."""
+    args = dict(rank=0, tp=1, total_heads=2, block=BS, layout="vllm_cpu_vec")
+    worker = make_worker({**args, "engine": f"bd{os.getpid()}", "extra": REUSE}, seed=3)
+    reader = ShmTransport(f"qaic_kv_bd{os.getpid()}r_r0_{random.randrange(1 << 30):x}", 64)
+    try:
+        ticket = finish_turn(decode, "t1", 40, 10)
+        out, _ = step(decode)
+        worker.bind(meta(out))  # seals the turn's header
+        worker.wait_for_save()
+        assert worker.transport is not None
+        remote = parse_remote_prefill({**ticket, **edit})
+        read = checked_read(reader, worker.transport.endpoint(), remote.staging_offset, 0,
+                            remote.generation, binding=ticket_binding(remote))  # fmt: skip
+        if not edit:
+            with read:
+                pass
+            return
+        with pytest.raises(StaleTicket, match="the kv_transfer_params were edited"), read:
+            raise AssertionError("read an edited ticket's KV")
+    finally:
+        reader.close()
         worker.shutdown()

@@ -409,23 +409,32 @@ def block_chain(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
     return tuple(chain)
 
 
-def shared_part(params: RemotePrefill, prompt: Sequence[int]) -> RemotePrefill:
-    """A kept turn's ticket cut to what ``prompt`` begins with: all its tokens, else its
-    whole blocks as far as the prompt's agree (`block_chain`). Raises where none does."""
+def shared_tokens(params: RemotePrefill, prompt: Sequence[int]) -> int:
+    """How many of a kept turn's tokens ``prompt`` begins with: all of them, else its whole
+    blocks as far as the prompt's agree (`block_chain`). Raises where none does."""
     if prompt_hash(prompt[: params.num_tokens]) == params.prompt_hash:
-        return params
+        return params.num_tokens
     ours = block_chain(prompt[: params.num_tokens], params.staged_block_size)
     # Two chains agree up to the last whole block both begin with, and never after it.
     same = sum(a == b for a, b in zip(ours, params.block_hashes, strict=False))
     if same == 0:
         raise ValueError("the prompt does not begin with the kept turn's first block")
-    num_tokens = same * params.staged_block_size
-    return msgspec.structs.replace(
-        params,
-        num_tokens=num_tokens,
-        prompt_hash=prompt_hash(prompt[:num_tokens]),
-        block_ids=params.block_ids[:same],
-    )
+    return same * params.staged_block_size
+
+
+UNBOUND = bytes(16)  # the binding of a region sealed for no ticket (benchmarks, tests)
+
+
+def ticket_binding(params: RemotePrefill) -> bytes:
+    """What a staged region's header commits to besides its generation: the tokens, blocks
+    and format its ticket names. A ticket edited to name other blocks (a kept turn's are
+    the decode's live cache), more tokens or another prompt is refused by the header, with
+    or without a key."""
+    named = (
+        params.num_tokens, params.prompt_hash, params.block_ids, params.block_hashes,
+        params.adapter, params.staged_layout, params.staged_block_size, params.group_starts,
+    )  # fmt: skip
+    return hashlib.blake2b(_encoder.encode(named), digest_size=16).digest()
 
 
 def ticket_problem(

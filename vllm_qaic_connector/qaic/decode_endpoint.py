@@ -217,16 +217,18 @@ class DecodeEndpoint:
                          torch_dtype(src.dtype))  # fmt: skip
         notifies = self.reader.delivers_notifications  # else: released over the side channel
         ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key) if notifies else None
+        binding = wire.ticket_binding(remote)
         if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
             runs = self.puller.pull(slot, src.endpoint, remote.staging_offset, geo, n,
-                                    remote.generation, ack)  # fmt: skip
+                                    remote.generation, ack, binding)  # fmt: skip
             self.counters["read_descriptors"] += len(runs)
             self.counters["dma_bytes"] += sum(r.nbytes for r in runs)  # the READ is the DMA
         else:
             fmt = StagingFormat(remote.staged_layout, geo, src.num_layers)
             blocks = list(range(blocks_for_tokens(n, remote.staged_block_size)))
             with checked_read(self.reader, src.endpoint, remote.staging_offset,
-                              fmt.request_bytes(n), remote.generation, ack) as region:  # fmt: skip
+                              fmt.request_bytes(n), remote.generation, ack,
+                              binding) as region:  # fmt: skip
                 written = self.target.write_slot_from_blocks(
                     slot, fmt.layer_views(region, n), blocks, n
                 )

@@ -13,7 +13,7 @@ from itertools import chain
 
 from vllm_qaic_connector.kv.byte_runs import ByteRun, plan_slot_reads
 from vllm_qaic_connector.layout import KVGeometry
-from vllm_qaic_connector.protocol.wire import TransportEndpoint
+from vllm_qaic_connector.protocol.wire import UNBOUND, TransportEndpoint
 from vllm_qaic_connector.qaic.target import SlotTarget
 from vllm_qaic_connector.tickets import HEADER_BYTES, checked_read
 from vllm_qaic_connector.transports.nixl import NixlTransport
@@ -38,18 +38,18 @@ class SlotPuller:
 
     def pull(
         self, slot: int, peer: TransportEndpoint, staging_offset: int, geo: KVGeometry,
-        num_tokens: int, generation: int, notify: bytes | None = None,
+        num_tokens: int, generation: int, notify: bytes | None = None, binding: bytes = UNBOUND,
     ) -> list[ByteRun]:  # fmt: skip
         """READ tokens ``[0, num_tokens)`` of a request staged at ``staging_offset`` into
         ``slot``; returns the runs read (one NIXL descriptor each). StaleTicket if the
-        region's header did not hold ``generation`` before and after (the slot then holds
-        garbage: its owner frees it)."""
+        region's header did not hold ``generation`` and ``binding`` before and ``generation``
+        after (the slot then holds garbage: its owner frees it)."""
         if not self.accepts(geo):
             raise ValueError(f"staged geometry {geo} is not a slot of this target")
         self.target.check_writable(slot, num_tokens)
         addresses = [(k.data_ptr(), v.data_ptr()) for k, v in self._buffers]
         runs = plan_slot_reads(geo, num_tokens, slot, addresses)
-        with checked_read(self.transport, peer, staging_offset, 0, generation, notify):
+        with checked_read(self.transport, peer, staging_offset, 0, generation, notify, binding):
             self.transport.read_into(peer, runs, base_offset=staging_offset + HEADER_BYTES)
         return runs
 

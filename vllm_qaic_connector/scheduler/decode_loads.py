@@ -20,7 +20,7 @@ from vllm_qaic_connector.protocol.leases import LeaseRenewer
 from vllm_qaic_connector.protocol.wire import (
     RemotePrefill,
     parse_remote_prefill,
-    shared_part,
+    shared_tokens,
     ticket_problem,
 )
 from vllm_qaic_connector.scheduler import request_ids
@@ -84,13 +84,12 @@ class DecodeLoads:
             adapter = adapter_fingerprint(request.lora_request)
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
-            # A turn's is checked whole (its MAC), then cut to what the prompt shares.
+            # A turn's is checked whole (its MAC, its header's binding), and loads as far
+            # as the prompt shares its tokens.
             unusable = ticket_problem(parsed, self._key, held, None if turn else prompt, adapter)
-            if turn is not None and unusable is None:
-                parsed = shared_part(parsed, prompt)
             if unusable:
                 raise ValueError(unusable)
-            num_tokens = parsed.num_tokens
+            num_tokens = parsed.num_tokens if turn is None else shared_tokens(parsed, prompt)
             if has_state(self._groups) and num_tokens == len(prompt):
                 raise ValueError(
                     f"the prefill staged all {num_tokens} prompt tokens; a model with "

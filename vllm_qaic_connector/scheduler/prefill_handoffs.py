@@ -32,6 +32,7 @@ from vllm_qaic_connector.protocol.wire import (
     RemotePrefill,
     block_chain,
     prompt_hash,
+    ticket_binding,
     ticket_mac,
 )
 from vllm_qaic_connector.scheduler import request_ids
@@ -296,7 +297,7 @@ class PrefillHandoffs:
                 for g, ids in zip(groups, block_ids, strict=True)
             )
             out.starts = staged_starts(groups, num_tokens, out.target.block_size, held)
-        return SaveSpec(
+        spec = SaveSpec(
             request_id=req.request_id,
             block_ids=block_ids,
             num_tokens=num_tokens,
@@ -309,6 +310,9 @@ class PrefillHandoffs:
             last=last,
             direct=out.target.direct,
         )
+        if not final:
+            return spec
+        return dataclasses.replace(spec, binding=ticket_binding(self._ticket(req, spec)))
 
     def take_await_saves(self) -> list[str]:
         taken, self._await_saves = self._await_saves, []
@@ -403,11 +407,11 @@ class PrefillHandoffs:
             generation=next(self._generations),
             direct=True,
         )
-        self._seals.append(spec)
+        ticket = self._ticket(request, spec, turn=True)
+        self._seals.append(dataclasses.replace(spec, binding=ticket_binding(ticket)))
         self._direct_held[rid] = num_blocks
         self._turns.append(rid)
         self.stats.add("kept_turns")
-        ticket = self._ticket(request, spec, turn=True)
         if isinstance(name, str):
             self.named_turns[name] = ticket
         return True, msgspec.to_builtins(ticket)

@@ -14,7 +14,12 @@ from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, sourc
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import RankMetadata, ack_message, direct_problem
+from vllm_qaic_connector.protocol.wire import (
+    RankMetadata,
+    ack_message,
+    direct_problem,
+    ticket_binding,
+)
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.tickets import StaleTicket, checked_read
 from vllm_qaic_connector.transports import KVTransport
@@ -137,8 +142,9 @@ class RequestLoads:
             ack = self._ack(remote.remote_request_id, r)
             nbytes = fmt.request_bytes(remote.num_tokens)
             read = checked_read(
-                transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation, ack
-            )
+                transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation,
+                ack, ticket_binding(remote),
+            )  # fmt: skip
             with read as region, gate.writing():
                 views = fmt.layer_views(region, remote.num_tokens)
                 runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
@@ -179,10 +185,12 @@ class RequestLoads:
         lo, hi = first // bs, blocks_for_tokens(end, bs)
         ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
+        binding = ticket_binding(remote)
         with (
-            checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation, ack),
+            checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation,
+                         ack, binding),
             gate.writing(),
-        ):
+        ):  # fmt: skip
             if not src.cache.mapped:  # registered memory: READs of whole blocks
                 blocks = (theirs[lo:hi], ours[lo:hi])
                 runs = plan_cache_reads(src.cache, cache.layout, cache.tensors, blocks)

@@ -117,7 +117,7 @@ class RequestSaves:
         """Nothing to copy: the ticket's header says the held blocks are ready. On the
         engine thread, so no seal can land after the release that invalidates it."""
         start, t0 = spec.staging_offset, time.monotonic()
-        with self.headers.writing(start, start + HEADER_BYTES, spec.generation):
+        with self.headers.writing(start, start + HEADER_BYTES, spec.generation, spec.binding):
             pass
         self._record(spec, 0, t0)
 
@@ -130,7 +130,7 @@ class RequestSaves:
         end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
         written, t0 = 0, time.monotonic()
-        with self.headers.writing(start, end, spec.generation) as region:
+        with self.headers.writing(start, end, spec.generation, spec.binding) as region:
             views = fmt.layer_views(region, spec.num_tokens)
             last = spec.last or spec.num_tokens
             for (group, shift), layers in layer_runs(len(views), cache.group, fmt.shift):
