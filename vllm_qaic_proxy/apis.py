@@ -5,12 +5,24 @@ ticket in each answer: OpenAI's completions, chat completions and Responses, and
 Messages. The legs differ only in the fields that limit the output, so each API is a row
 here; the proxy's two legs are the same for all of them. Every other route of vLLM's server
 is relayed to a decode as it is (`relayed`), but those that act on one engine of a fleet.
+
+Tickets stay between the proxy and the engines. A ticket is a bearer token for KV in an
+engine's memory, so a client never supplies one: every body a client sends, on every route,
+loses its ``kv_transfer_params`` (where all of this connector's fields live: ``do_remote_*``,
+``keep_turn``, ``earlier_turns``, block ids...), also inside ``vllm_xargs``, which vLLM merges
+into the same request arguments (`from_client`, `relayed`). And a client never sees one: a
+ticket in an answer, whole or in a streamed event (a Responses event's ``response`` too), is
+null there, as vLLM alone answers (`taken`, `Events`); the proxy reads it first.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
+
+TICKET = "kv_transfer_params"
+MARK = b'"kv_transfer_params"'  # as the engines write it in an answer
 
 
 @dataclass(frozen=True, eq=False)  # one of each: compared by identity
@@ -88,3 +100,74 @@ def answers_alone(body: dict[str, Any], api: Api) -> str | None:
     if api is RESPONSES and body.get("previous_response_id"):
         return "previous_response_id"
     return None
+
+
+def from_client(body: dict[str, Any]) -> dict[str, Any]:
+    """A client's request body without the connector's fields (a copy)."""
+    out = {k: v for k, v in body.items() if k != TICKET}
+    xargs = out.get("vllm_xargs")
+    if isinstance(xargs, dict) and TICKET in xargs:
+        out["vllm_xargs"] = {k: v for k, v in xargs.items() if k != TICKET}
+    return out
+
+
+def relayed(data: bytes) -> bytes:
+    """A relayed request's body, without the connector's fields where it is a JSON object
+    (vLLM's ``/inference/v1/generate`` takes ``kv_transfer_params`` too); else as it came."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        return data
+    if not isinstance(body, dict) or (clean := from_client(body)) == body:
+        return data
+    return json.dumps(clean).encode()
+
+
+def taken(answer: Any) -> Any:
+    """The ticket an answer (or a streamed event) carries, or None, taken out of it: its
+    ``kv_transfer_params``, at its top or in one of its objects, set to null in place."""
+    ticket = None
+    for part in [answer, *answer.values()] if isinstance(answer, dict) else []:
+        if isinstance(part, dict) and part.get(TICKET) is not None:
+            ticket, part[TICKET] = ticket or part[TICKET], None
+    return ticket
+
+
+class Events:
+    """A stream's bytes on their way to a client, in whole lines as they come, each line's
+    ticket taken out (`taken`; the last one in ``ticket``). A JSON answer is one line."""
+
+    def __init__(self) -> None:
+        self._pending: list[bytes] = []  # the start of a line not yet ended
+        self.ticket: Any = None
+
+    def feed(self, data: bytes) -> bytes:
+        if not self._pending and data.endswith(b"\n") and MARK not in data:
+            return data  # whole lines, none with a ticket
+        *lines, rest = data.split(b"\n")
+        if lines:
+            lines[0] = b"".join([*self._pending, lines[0]])
+            self._pending = []
+        if rest:
+            self._pending.append(rest)
+        return b"".join(self.line(line) + b"\n" for line in lines)
+
+    def end(self) -> bytes:
+        """What is left of the stream: its last line, if it did not end in a newline."""
+        rest, self._pending = b"".join(self._pending), []
+        return self.line(rest)
+
+    def line(self, line: bytes) -> bytes:
+        """``line`` (an event's, or a whole JSON answer) without its ticket."""
+        if MARK not in line:
+            return line
+        head = b"data: " if line.startswith(b"data: ") else b""
+        payload = line[len(head) :].rstrip()
+        try:
+            answer = json.loads(payload)
+        except (ValueError, RecursionError):
+            return line
+        if (ticket := taken(answer)) is None:
+            return line
+        self.ticket = ticket
+        return head + json.dumps(answer).encode() + line[len(head) + len(payload) :]

@@ -3,15 +3,19 @@
 A failed leg is a `LegError` naming it: 503 unreachable, 504 timed out, 502 a bad answer; a
 backend's own 4xx goes to the client as it came. `NoAnswer` (no connection, or closed before
 its headers) lets another backend of the same kind take the request (`Legs.failover`).
+An engine's ticket in an answer, whole, streamed or relayed, is the proxy's, never the
+client's (`apis.Events`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import aiohttp
@@ -20,7 +24,7 @@ from aiohttp import web
 
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.wire import TurnReply, TurnRequest, parse_remote_prefill
-from vllm_qaic_proxy import first_token, prompt_lists
+from vllm_qaic_proxy import apis, first_token, prompt_lists
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import LeastOutstanding
 
@@ -41,6 +45,9 @@ RELAYED_HEADERS = (*FORWARDED_HEADERS, "Content-Type", "Accept")
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
+# A streamed turn's ticket is asked of the decode's side channel after the stream, never
+# holding its end: by this many threads, each waiting this long at most, this many queued.
+TURN_FETCHES, TURN_TIMEOUT_S, TURN_QUEUE = 4, 2.0, 64
 # No answer at all: no connection, or closed before its headers (another backend may serve).
 UNANSWERED = (
     aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ConnectionTimeoutError,
@@ -89,6 +96,8 @@ class Legs:
         )  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
         self._releases: set[asyncio.Future[None]] = set()
+        self._fetches: set[asyncio.Task[None]] = set()  # streamed turns' tickets
+        self._fetcher = ThreadPoolExecutor(TURN_FETCHES, "turn-tickets")
         self._contexts: dict[str, int | None] = {}  # each decode's max_model_len
 
     async def start(self, _: web.Application) -> None:
@@ -98,6 +107,9 @@ class Legs:
         self.session = aiohttp.ClientSession(connector=connector)
 
     async def stop(self, _: web.Application) -> None:
+        for fetch in self._fetches:
+            fetch.cancel()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
         if self._releases:
             await asyncio.wait(self._releases, timeout=6)
         if self.session is not None:
@@ -186,20 +198,30 @@ class Legs:
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def turn(self, decode_kv: str, name: str) -> Any:
-        """The ticket of the turn that the decode whose side channel is ``decode_kv`` kept as
-        ``name`` (a streamed answer carries none); None where it has none (logged: the
-        decode's lease frees it)."""
+    def turn(self, decode_kv: str, name: str, kept: Callable[[Any], None]) -> None:
+        """Asks the side channel ``decode_kv`` (HOST:PORT) of the decode that answered a stream
+        for the ticket of the turn it kept as ``name``, and gives it to ``kept``: in the
+        background (`TURN_FETCHES`). A turn not fetched is logged: the decode's lease frees it."""
+        if not decode_kv or len(self._fetches) >= TURN_QUEUE:
+            why = "that decode has no --decode-kv" if not decode_kv else "too many queued"
+            logger.warning("no ticket for a streamed turn: %s", why)
+            return
+        fetch = asyncio.ensure_future(self._turn(decode_kv, name, kept))
+        self._fetches.add(fetch)
+        fetch.add_done_callback(self._fetches.discard)
+
+    async def _turn(self, decode_kv: str, name: str, kept: Callable[[Any], None]) -> None:
         host, port = decode_kv.rsplit(":", 1)
-        request = TurnRequest(name)
+        call = functools.partial(
+            side_channel.call, host, int(port), TurnRequest(name), self.key, TURN_TIMEOUT_S
+        )
         try:
-            reply = await asyncio.to_thread(
-                side_channel.call, host, int(port), request, self.key, 5.0
-            )
+            reply = await asyncio.get_running_loop().run_in_executor(self._fetcher, call)
         except ConnectionError as exc:
             logger.warning("no ticket for a streamed turn: %s", exc)
-            return None
-        return msgspec.to_builtins(reply.ticket) if isinstance(reply, TurnReply) else None
+            return
+        if isinstance(reply, TurnReply):
+            kept(msgspec.to_builtins(reply.ticket))
 
     async def answer(
         self,
@@ -210,19 +232,23 @@ class Legs:
         first: FirstToken | None,
         leg: str = "decode",
         sink: Sink | None = None,
-        ending: Callable[[], Awaitable[None]] | None = None,
+        kept: Callable[[str, Any], None] | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The leg's answer from ``base``: whole (``first`` put back in front, with the
         ``headers``), or the events through as they come (after ``first``'s, once the decode
         has taken the request), to the client or into ``sink``; False when the client went
-        away. Then the decode's connection is closed, which aborts the request there.
-        ``ending``: awaited when a stream came through whole, before it ends for the client."""
+        away. Then the decode's connection is closed, which aborts the request there. Its
+        ticket, if any, is not the client's (`apis.taken`): once the answer came through
+        whole, ``kept`` gets ``base`` and the ticket (called, not awaited)."""
         url, streamed = base + request.path, body.get("stream")
         limit = self.decode_timeout_s  # a stream's: the longest gap between events
         timeout = leg_timeout(sock_read=limit) if streamed else leg_timeout(total=limit)
         resp = await self.open(leg, url, timeout, credentials(request), json=body)
         if not streamed:
             answer = await self.read_json(leg, base, resp)
+            ticket = apis.taken(answer)
+            if kept is not None:
+                kept(base, ticket)
             answer = first.joined(answer) if first else answer
             return web.json_response(answer, headers=headers), True
         if resp.status != 200 or "json" in resp.content_type:
@@ -230,17 +256,19 @@ class Legs:
             raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
         headers["Content-Type"] = resp.headers.get("Content-Type", "")
         out: Sink = sink or web.StreamResponse(headers=headers)
+        events = apis.Events()
         try:
             await out.prepare(request)
             if first is not None:  # any usage after it (asked, or forced) counts it as answer
                 await out.write(first.events(body.get("stream_options"), final_usage=False))
                 async for line in resp.content:
-                    await out.write(first_token.fix_event(line, first.shift))
+                    await out.write(first_token.fix_event(events.line(line), first.shift))
             else:
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
-            if ending is not None:
-                await ending()
+                    await out.write(events.feed(chunk))
+                await out.write(events.end())
+            if kept is not None:  # before the client sees the end, which it does not hold
+                kept(base, events.ticket)
             await out.write_eof()
         except ConnectionResetError:
             logger.info("client went away mid-stream; aborting the decode request")
@@ -292,10 +320,13 @@ class Legs:
                 raise NotHere(404, f"{url} does not hold it", missing)  # another decode may
             kept = {k: v for k in ("Content-Type",) if (v := resp.headers.get(k)) is not None}
             out = web.StreamResponse(status=resp.status, headers=kept)
+            text = "json" in resp.content_type or "event-stream" in resp.content_type
+            events = apis.Events() if text else None  # without tickets
             with contextlib.suppress(ConnectionResetError, aiohttp.ClientError):
                 await out.prepare(request)
                 async for chunk in resp.content.iter_any():
-                    await out.write(chunk)
+                    await out.write(events.feed(chunk) if events else chunk)
+                await out.write(events.end() if events else b"")
                 await out.write_eof()
             return out
         finally:

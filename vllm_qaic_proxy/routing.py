@@ -35,6 +35,10 @@ class LeastOutstanding:
         """``backend`` refused a connection: skip it for ``DOWN_S``."""
         self._down_until[backend] = time.monotonic() + DOWN_S
 
+    def is_down(self, backend: str) -> bool:
+        """Whether ``backend`` is skipped now (marked down, its time not up)."""
+        return self._down_until.get(backend, 0.0) > time.monotonic()
+
     def failover(self, first: str) -> list[str]:
         """``first``, then every other backend that is up, in the order to try them."""
         now = time.monotonic()

@@ -7,7 +7,9 @@ server-sent events, as they come) goes to the client. Where the decode can conti
 prefill's token, that token is the client's first (`first_token`). A failed leg is a JSON
 error naming it: 503 unreachable, 504 timed out, 502 a bad answer. When the decode leg fails
 or the client goes away, the prefill is told to release the staged KV at once. The routes
-that one engine answers (tokenize, embeddings...) are relayed to a decode.
+that one engine answers (tokenize, embeddings...) are relayed to a decode. Tickets stay
+between the proxy and the engines: none from a client reaches an engine, none from an
+engine reaches a client (`apis.from_client`).
 
     vllm-qaic-proxy --prefill URL [URL...] --decode URL [URL...] [--decode-kv HOST:PORT ...]
 """
@@ -19,12 +21,12 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from vllm_qaic_proxy import apis, first_token, prompt_lists
+from vllm_qaic_proxy import apis, first_token, prompt_lists, turns
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.legs import (
@@ -70,7 +72,7 @@ class Proxy:
         self._decode_kv = dict(zip(decodes, decode_kv or [""] * len(decodes), strict=True))
         self._first_from_prefill = first_token_from_prefill
         self.legs = Legs(prefill_timeout_s, decode_timeout_s, key)
-        self.turns = Turns(self.legs.release, reuse_turns)
+        self.turns = Turns(self.legs.release, reuse_turns, self.router.decodes.is_down)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = None
@@ -78,6 +80,7 @@ class Proxy:
             body = await request.json()
         if not isinstance(body, dict):
             return web.json_response(error_body(400, "the body must be a JSON object"), status=400)
+        body = apis.from_client(body)
         api = apis.GENERATING[request.path]
         several = prompt_lists.prompts(body) if api is apis.COMPLETIONS else None
         if several is None:
@@ -108,6 +111,7 @@ class Proxy:
         client, or into ``sink`` (a part of a streamed list)."""
         prefill_url, decode_url = self.router.route()
         auth = credentials(request)
+        client = turns.client(auth, request.remote)
         wanted = self._first_from_prefill and api.first_token_from_prefill
         first_from_prefill = wanted and first_token.eligible(body)
         params: dict[str, Any] | None = None
@@ -123,7 +127,7 @@ class Proxy:
                     asked = {k: body[k] for k in first_token.MERGED if k in body}
                     to_prefill.update(asked, return_token_ids=True)
                 # The conversation's KV so far, where a decode kept it (`turns`).
-                if turn := self.turns.take(api, body, auth):
+                if turn := self.turns.take(api, body, client):
                     to_prefill["kv_transfer_params"]["earlier_turns"] = turn
                 try:
                     prefilled = await self.legs.failover(
@@ -154,22 +158,18 @@ class Proxy:
                     first = FirstToken.of(prefilled, body, context)
                 if first is not None and first.finished:  # the prefill's token was the answer
                     return await self._prefill_only(request, body, first, timing, sink)
+            kept = None
             if keep := self.turns.asked(api, body, self._decode_kv[decode_url]):
                 params = {**(params or {}), "keep_turn": keep}
-            ending, streamed = None, body.get("stream")
-            if keep and streamed:  # its ticket, asked for before the client sees the stream end
-                ending = functools.partial(self._keep_streamed, api, body, auth, decode_url, keep)
+                kept = functools.partial(self._kept, api, body, client, keep)
             to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
                 to_decode = first.decode_body(body, params or {})
             stored = alone == "previous_response_id"
             try:
                 response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing, stored, sink, ending
+                    request, "decode", decode_url, to_decode, first, timing, stored, sink, kept
                 )
-                if keep and not streamed:  # its ticket came with the answer
-                    ticket = answer_of(response)[1].get("kv_transfer_params")
-                    self.turns.keep(api, body, auth, ticket)
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
             except NoAnswer as exc:
@@ -196,7 +196,7 @@ class Proxy:
         timing: dict[str, str],
         stored: bool = False,
         sink: Sink | None = None,
-        ending: Callable[[], Awaitable[None]] | None = None,
+        kept: Callable[[str, Any], None] | None = None,
     ) -> tuple[web.StreamResponse, bool]:
         """The client's answer from ``url`` or another backend of its kind (streamed as it
         comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
@@ -205,7 +205,7 @@ class Proxy:
 
         async def call(u: str) -> tuple[web.StreamResponse, bool]:
             try:
-                return await self.legs.answer(request, u, body, timing, first, leg, sink, ending)
+                return await self.legs.answer(request, u, body, timing, first, leg, sink, kept)
             except LegError as exc:  # a stored response's 404: another decode may hold it
                 if not stored or exc.status != 404 or isinstance(exc, NoAnswer):
                     raise
@@ -213,13 +213,17 @@ class Proxy:
 
         return await self.legs.failover(pool, url, call)
 
-    async def _keep_streamed(
-        self, api: Api, body: dict[str, Any], auth: dict[str, str], decode_url: str, name: str
+    def _kept(
+        self, api: Api, body: dict[str, Any], client: str, name: str, url: str, ticket: Any
     ) -> None:
-        """Keeps a streamed turn's ticket, asked of the side channel of the decode that kept
-        it as ``name`` (another that took the request over is not asked: its lease frees it)."""
-        ticket = await self.legs.turn(self._decode_kv[decode_url], name)
-        self.turns.keep(api, body, auth, ticket)
+        """Keeps the turn that the decode at ``url`` (the one that answered) kept as ``name``:
+        its ticket came with the answer, or, a stream carrying none, is asked of that decode's
+        side channel in the background (with DP > 1, rank 0's: another rank's is not found)."""
+        keep = functools.partial(self.turns.keep, api, body, client, decode=url)
+        if ticket is None and body.get("stream"):
+            self.legs.turn(self._decode_kv[url], name, keep)
+        else:
+            keep(ticket)
 
     async def _prefill_only(
         self,
@@ -250,7 +254,7 @@ class Proxy:
                 "each engine, not through the disaggregating proxy"
             )
             return web.json_response(error_body(404, problem), status=404)
-        data = await request.read()
+        data = apis.relayed(await request.read())
         headers = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
         stored = request.path.startswith("/v1/responses/")  # one decode holds it, others 404
         pool = self.router.decodes

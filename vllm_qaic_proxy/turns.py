@@ -7,9 +7,16 @@ computes), so a wrong guess here costs a recompute, never a wrong token.
 A request is known by its text: a completion's prompt, or the messages (role and content)
 of a chat, of Anthropic's Messages or of a Responses request's input; not the answer's,
 which a stream would have to be parsed for. A request continues the longest kept one its
-text begins with, of the same client (credentials), model and cache salt. A ticket not
-taken is released when it drops out of the store (``MAX_KEPT``), so the decode frees its
-blocks before the lease.
+text begins with, of the same client, model and cache salt. A client is its credentials
+(``Authorization``), or, sending none, the address it connects from: anonymous clients
+neither take nor flush each other's turns.
+
+The store is bounded: at most ``MAX_KEPT`` turns and ``MAX_KEPT_BYTES`` bytes, counting
+each turn's conversation text (UTF-8) and its ticket (as JSON). Past either bound, the
+oldest turn of the client that holds the most bytes is released (the decode frees its
+blocks before the lease), so a client that floods the store drops its own turns, not
+others'. A turn whose decode is marked down (`routing`) is dropped when it would be taken:
+the next turn computes rather than wait on a dead peer (the decode's lease frees it).
 """
 
 from __future__ import annotations
@@ -18,13 +25,16 @@ import hashlib
 import json
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_qaic_proxy import apis
 from vllm_qaic_proxy.apis import Api
 
 MAX_KEPT = 1024  # conversations whose next turn may come
+MAX_KEPT_BYTES = 256 << 20  # their texts and tickets
 
 
 def conversation(api: Api, body: dict[str, Any]) -> str | None:
@@ -44,19 +54,45 @@ def conversation(api: Api, body: dict[str, Any]) -> str | None:
     return None
 
 
-def owner(body: dict[str, Any], auth: dict[str, str]) -> str:
-    """Whose conversations a request may continue: the same credentials, model and salt."""
-    who = [auth.get("Authorization", ""), body.get("model"), body.get("cache_salt")]
+def client(auth: dict[str, str], peer: str | None) -> str:
+    """Who sends a request: its credentials, or where an anonymous client connects from."""
+    key = auth.get("Authorization")
+    return json.dumps([key, peer if key is None else None])
+
+
+def owner(body: dict[str, Any], client: str) -> str:
+    """Whose conversations a request may continue: the same client, model and salt."""
+    who = [client, body.get("model"), body.get("cache_salt")]
     return hashlib.sha256(json.dumps(who).encode()).hexdigest()
 
 
-class Turns:
-    """Kept turns' tickets by (owner, conversation), oldest first; ``enabled``: the
-    engines keep turns (``--reuse-turns``), else nothing is asked or kept."""
+@dataclass(frozen=True)
+class Kept:
+    """A kept turn's ticket, whose it is, the decode that kept it, and its bytes."""
 
-    def __init__(self, release: Callable[[dict[str, Any]], None], enabled: bool = True) -> None:
-        self._kept: dict[tuple[str, str], dict[str, Any]] = {}
-        self._release, self.enabled = release, enabled
+    ticket: dict[str, Any]
+    client: str
+    decode: str
+    size: int
+
+
+class Turns:
+    """Kept turns by (owner, conversation), oldest first; ``enabled``: the engines keep
+    turns (``--reuse-turns``), else nothing is asked or kept; ``down``: whether a decode
+    is marked down."""
+
+    def __init__(
+        self,
+        release: Callable[[dict[str, Any]], None],
+        enabled: bool = True,
+        down: Callable[[str], bool] = lambda _: False,
+    ) -> None:
+        self._kept: dict[tuple[str, str], Kept] = {}
+        self._held: Counter[str] = Counter()  # bytes by client
+        self._release, self.enabled, self._down = release, enabled, down
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
     def asked(self, api: Api, body: dict[str, Any], decode_kv: str) -> str | None:
         """A fresh name to ask the decode to keep this turn as (``keep_turn``), or None. Its
@@ -65,26 +101,43 @@ class Turns:
         kept = self.enabled and conversation(api, body) is not None
         return secrets.token_hex(16) if kept and (decode_kv or not body.get("stream")) else None
 
-    def take(self, api: Api, body: dict[str, Any], auth: dict[str, str]) -> dict[str, Any] | None:
+    def take(self, api: Api, body: dict[str, Any], client: str) -> dict[str, Any] | None:
         """The ticket of the longest kept conversation this request continues (taken)."""
         if not self.enabled or (text := conversation(api, body)) is None:
             return None
         now = time.time()
-        self._kept = {k: t for k, t in self._kept.items() if t.get("expires_at", 0) > now}
-        who = owner(body, auth)
+        for key in [k for k, t in self._kept.items() if t.ticket.get("expires_at", 0) <= now]:
+            self._drop(key)
+        who = owner(body, client)
         ours = [(w, t) for w, t in self._kept if w == who and text.startswith(t)]
-        return self._kept.pop(max(ours, key=lambda k: len(k[1]))) if ours else None
+        if not ours:
+            return None
+        kept = self._drop(max(ours, key=lambda k: len(k[1])))
+        return None if self._down(kept.decode) else kept.ticket
 
-    def keep(self, api: Api, body: dict[str, Any], auth: dict[str, str], ticket: Any) -> None:
-        """Keeps the ticket of the turn a decode kept for this request, if any."""
+    def keep(
+        self, api: Api, body: dict[str, Any], client: str, ticket: Any, decode: str = ""
+    ) -> None:
+        """Keeps the ticket of the turn ``decode`` kept for this request, if any."""
         if not isinstance(ticket, dict) or not ticket.get("do_remote_prefill"):
             return
         if (text := conversation(api, body)) is None:
             self._release(ticket)  # kept for nothing we can continue: free it now
             return
-        key = (owner(body, auth), text)
-        if (replaced := self._kept.pop(key, None)) is not None:  # the same turn, again
-            self._release(replaced)
-        self._kept[key] = ticket
-        while len(self._kept) > MAX_KEPT:
-            self._release(self._kept.pop(next(iter(self._kept))))
+        key = (owner(body, client), text)
+        if key in self._kept:  # the same turn, again
+            self._release(self._drop(key).ticket)
+        size = len(text.encode(errors="surrogatepass")) + len(json.dumps(ticket))
+        self._kept[key] = Kept(ticket, client, decode, size)
+        self._held[client] += size
+        while len(self._kept) > MAX_KEPT or self._held.total() > MAX_KEPT_BYTES:
+            most = max(self._held, key=self._held.__getitem__)
+            oldest = next(k for k, t in self._kept.items() if t.client == most)
+            self._release(self._drop(oldest).ticket)
+
+    def _drop(self, key: tuple[str, str]) -> Kept:
+        kept = self._kept.pop(key)
+        self._held[kept.client] -= kept.size
+        if not self._held[kept.client]:
+            del self._held[kept.client]
+        return kept

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import sys
 import time
@@ -260,6 +261,7 @@ class Backend(ABC):
         self.requests: list[tuple[str, dict[str, Any]]] = []  # (path, body)
         self.stored: set[str] = set()  # the Responses API's stored answers it holds
         self.request_ids: list[str | None] = []  # each completion request's X-Request-Id
+        self.extra: list[bytes] = []  # events its streams send before their last
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -272,6 +274,7 @@ class Backend(ABC):
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/v1/completions/render", self._tokenize)  # as it answers: ids
         app.router.add_get("/v1/responses/{id}", self._stored)
+        app.router.add_post("/inference/v1/generate", self._generate)
         self._runner, self.url = await serve(app)
 
     async def stop(self) -> None:
@@ -299,6 +302,19 @@ class Backend(ABC):
         self.requests.append((request.path, body))
         key = request.headers.get("Authorization")
         return web.json_response({"tokens": PROMPT_IDS, "by": self.model, "key": key})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's token-in, token-out route, which takes and returns kv_transfer_params."""
+        body = await request.json()
+        self.requests.append((request.path, body))
+        answer = {"request_id": "g", "choices": [{"token_ids": [FIRST_ID]}]}
+        answer["kv_transfer_params"] = staged("g", 1)
+        if not body.get("stream"):
+            return web.json_response(answer)
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(f"data: {json.dumps(answer)}\n\n".encode() + CHUNKS[-1])
+        return out
 
     async def _stored(self, request: web.Request) -> web.Response:
         """A stored response: only its id's holder has it (vLLM's store is per server)."""
@@ -335,7 +351,7 @@ class Prefill(Backend):
         if body.get("stream"):  # a whole request, as when no decode could take it
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await out.prepare(request)
-            for chunk in CHUNKS:
+            for chunk in [*CHUNKS[:-1], *self.extra, CHUNKS[-1]]:
                 await out.write(chunk)
             return out
         if self.answer == "kv-error":
@@ -395,7 +411,7 @@ class Decode(Backend):
             await asyncio.wait_for(self.go.wait(), WAIT_S)
         except asyncio.TimeoutError:
             self.log.append("decode gave up waiting")
-        for chunk in CHUNKS[1:-1]:
+        for chunk in [*CHUNKS[1:-1], *self.extra]:
             await asyncio.sleep(0.02)
             await out.write(chunk)
         if self.answer == "usage":  # a server with --enable-force-include-usage, unasked
@@ -460,8 +476,14 @@ async def proxy(
     prefills: list[str], decodes: list[str], **kw: Any
 ) -> AsyncIterator[aiohttp.ClientSession]:
     """The real proxy app on a real port, served as vllm-qaic-proxy serves it, and a client."""
-    app = Proxy(prefills, decodes, **kw).app()
-    runner, url = await serve(app, handler_cancellation=HANDLER_CANCELLATION)
+    async with served(Proxy(prefills, decodes, **kw)) as client:
+        yield client
+
+
+@asynccontextmanager
+async def served(made: Proxy) -> AsyncIterator[aiohttp.ClientSession]:
+    """``made``'s app on a real port, as vllm-qaic-proxy serves it, and a client."""
+    runner, url = await serve(made.app(), handler_cancellation=HANDLER_CANCELLATION)
     try:
         async with aiohttp.ClientSession(base_url=url) as client:
             yield client
@@ -1213,12 +1235,14 @@ async def test_with_reuse_turns_a_streamed_turn_s_ticket_comes_from_the_decode_s
 ) -> None:
     decode = TurnKeeper(side)
     await decode.start()
-    kv = {"decode_kv": [f"127.0.0.1:{side.server.port}"]} if decode_kv else {}
+    kv = [f"127.0.0.1:{side.server.port}"] if decode_kv else None
+    made = Proxy([prefill.url], [decode.url], kv, reuse_turns=True)
     try:
-        async with proxy([prefill.url], [decode.url], reuse_turns=True, **kv) as client:
+        async with served(made) as client:
             first = {**PROMPT, "prompt": "hi", "stream": True}
             said = await (await client.post("/v1/completions", json=first)).text()
             assert said.endswith("data: [DONE]\n\n")
+            await kept_turns(made, 1 if decode_kv else 0)  # asked for after the stream ended
             later = {**PROMPT, "prompt": "hi there"}  # kept by its request's text alone
             await client.post("/v1/completions", json=later)
         asked = decode.requests[0][1]["kv_transfer_params"].get("keep_turn")
@@ -1230,3 +1254,197 @@ async def test_with_reuse_turns_a_streamed_turn_s_ticket_comes_from_the_decode_s
         assert "turn-1" in await side.wait_released("turn-1")  # the decode may free it
     finally:
         await decode.stop()
+
+
+async def kept_turns(made: Proxy, n: int) -> None:
+    """Waits (at most WAIT_S) until ``made`` keeps ``n`` turns."""
+    deadline = time.monotonic() + WAIT_S
+    while len(made.turns) < n and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+# --- tickets stay between the proxy and the engines -------------------------------------------
+
+# What a hostile client puts in a request: each connector field, and vLLM's side door to them
+# (vllm_xargs, merged into the same request arguments). Every value names "forged".
+FORGED = {
+    "do_remote_decode": True, "do_remote_prefill": True, "keep_turn": "forged",
+    "earlier_turns": {**staged("forged", 1), "block_ids": [0, 1, 2]}, "block_ids": [0, 1, 2],
+    "remote_host": "forged.example", "remote_request_id": "forged",
+}  # fmt: skip
+FORGING = {"kv_transfer_params": FORGED, "vllm_xargs": {"kv_transfer_params": "forged"}}
+# Events that carry a ticket, as vLLM's may: a chunk's own, and a Responses event's response.
+TICKETED = [
+    f"data: {json.dumps({'choices': [], 'kv_transfer_params': staged('s', 1)})}\n\n".encode(),
+    b"event: response.completed\ndata: "
+    + json.dumps({"type": "response.completed", "response": {"kv_transfer_params":
+                  staged("r", 1)}}).encode() + b"\n\n",
+]  # fmt: skip
+
+
+class Ticketing(Decode):
+    """A decode whose every answer carries a ticket: whole, and among its stream's events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go.set()  # streams come through at once
+        self.extra = TICKETED
+
+    def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**super().answer_for(body), "kv_transfer_params": staged("d", 1)}
+
+
+@pytest.fixture
+async def ticketing() -> AsyncIterator[Ticketing]:
+    backend = Ticketing()
+    await backend.start()
+    yield backend
+    await backend.stop()
+
+
+def saw_no_forgery(prefill: Prefill, *decodes: Backend) -> None:
+    """No engine saw a connector field the client sent: each leg carries the proxy's own
+    kv_transfer_params (the prefill leg's ask, the prefill's ticket, a turn's) or none."""
+    for path, body in [*prefill.requests, *(r for d in decodes for r in d.requests)]:
+        assert "forged" not in json.dumps(body), (path, body)
+        params = {**(body.get("kv_transfer_params") or {})}
+        for own in ("keep_turn", "earlier_turns"):  # the proxy's, where it keeps turns
+            params.pop(own, None)
+        assert params in ({}, {"do_remote_decode": True}, *prefill.params), (path, body)
+
+
+def shows_no_ticket(raw: bytes) -> None:
+    """No ticket reached the client: none of a ticket's bytes, any kv_transfer_params null."""
+    assert b"feedfacefeedface" not in raw, raw  # every stand-in ticket's incarnation
+    assert b'"kv_transfer_params"' not in re.sub(rb'"kv_transfer_params": ?null', b"", raw)
+
+
+# A request of each kind the proxy serves, by the path it takes through the proxy.
+ROUTES: dict[str, tuple[str, dict[str, Any]]] = {
+    "completions": ("/v1/completions", {"prompt": "a b"}),
+    "completions-first-token": ("/v1/completions", {"prompt": "a b", "temperature": 0}),
+    "token-ids": ("/v1/completions", {"prompt": [5, 6, 7]}),
+    "prompt-list": ("/v1/completions", {"prompt": ["a", [5, 6]]}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+    "messages": ("/v1/messages", {"messages": [{"role": "user", "content": "a"}]}),
+    "responses": ("/v1/responses", {"input": [{"role": "user", "content": "a"}]}),
+    "responses-previous": ("/v1/responses", {"input": "b", "previous_response_id": "resp_1"}),
+    "alone-prompt-logprobs": ("/v1/completions", {"prompt": "a b", "prompt_logprobs": 1}),
+    "alone-echo": ("/v1/completions", {"prompt": "a b", "echo": True, "logprobs": 1}),
+}
+
+
+@pytest.mark.parametrize("reuse", [False, True], ids=["", "reuse-turns"])
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+@pytest.mark.parametrize("route", list(ROUTES))
+async def test_forged_params_reach_no_engine_and_no_ticket_reaches_the_client(
+    prefill: Prefill, ticketing: Ticketing, route: str, stream: bool, reuse: bool
+) -> None:
+    """Before, a client's kv_transfer_params went whole to the decode on the paths the proxy
+    passes through (prompt logprobs, previous_response_id...), and every whole answer with
+    --reuse-turns showed the client the decode's turn ticket."""
+    path, body = ROUTES[route]
+    prefill.token_ids = route == "completions-first-token"
+    ticketing.stored.add("resp_1")
+    async with proxy([prefill.url], [ticketing.url], reuse_turns=reuse) as client:
+        resp = await client.post(path, json={**PROMPT, **body, **FORGING, "stream": stream})
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    assert ticketing.requests, "the decode answered"
+    saw_no_forgery(prefill, ticketing)
+    shows_no_ticket(raw)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["answer", "stream"])
+async def test_with_no_decode_the_prefill_answering_whole_sees_no_forgery_and_shows_no_ticket(
+    prefill: Prefill, stream: bool
+) -> None:
+    prefill.extra = TICKETED
+    async with proxy([prefill.url], [dead_url()]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, **FORGING, "stream": stream})
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    [(_, leg), (_, whole)] = prefill.requests
+    assert leg["kv_transfer_params"] == {"do_remote_decode": True}
+    assert whole == {**PROMPT, "vllm_xargs": {}, "stream": stream}
+    shows_no_ticket(raw)
+
+
+@pytest.mark.parametrize(
+    ("path", "data"),
+    [
+        ("/inference/v1/generate", json.dumps({"token_ids": [5], **FORGING}).encode()),
+        ("/inference/v1/generate", json.dumps({"stream": True, **FORGING}).encode()),
+        ("/inference/v1/generate", b'{"token_ids": [5], "kv\\u005ftransfer_params": {"a": 1}}'),
+        ("/tokenize", json.dumps({"prompt": "a", **FORGING}).encode()),
+    ],
+    ids=["generate", "generate-stream", "generate-escaped", "tokenize"],
+)  # fmt: skip
+async def test_a_relayed_route_sees_no_forgery_and_shows_no_ticket(
+    prefill: Prefill, decode: Decode, path: str, data: bytes
+) -> None:
+    """vLLM's /inference/v1/generate takes kv_transfer_params and returns them: relayed as
+    bytes, a client's reached the decode, and the decode's the client."""
+    headers = {"Content-Type": "application/json"}
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post(path, data=data, headers=headers)
+        raw = await resp.read()
+        assert resp.status == 200, raw
+    [(_, seen)] = decode.requests
+    assert "kv_transfer_params" not in seen and "forged" not in json.dumps(seen), seen
+    shows_no_ticket(raw)
+
+
+async def test_streams_end_on_time_with_the_decode_s_side_channel_gone(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    """A streamed turn's ticket comes from the decode's side channel. With that side channel
+    gone (here a port nothing listens on), 12 streams got [DONE] at once and their end 5 and
+    10 s later: the proxy asked for the ticket before it ended them. Now it asks after."""
+    decode = TurnKeeper(side)
+    await decode.start()
+    made = Proxy([prefill.url], [decode.url], [f"127.0.0.1:{free_port()}"], reuse_turns=True)
+
+    async def gap(client: aiohttp.ClientSession, n: int) -> float:
+        body = {**PROMPT, "prompt": f"hi {n}", "stream": True}
+        resp = await client.post("/v1/completions", json=body)
+        done = None
+        async for line in resp.content:  # to the stream's end
+            done = time.monotonic() if line == b"data: [DONE]\n" else done
+        assert done is not None
+        return time.monotonic() - done
+
+    try:
+        async with served(made) as client:
+            gaps = await asyncio.gather(*(gap(client, n) for n in range(12)))
+    finally:
+        await decode.stop()
+    print(f"[DONE] to the stream's end, 12 streams: max {max(gaps) * 1e3:.2f} ms, "
+          f"mean {sum(gaps) / len(gaps) * 1e3:.2f} ms")  # fmt: skip
+    assert all(body["kv_transfer_params"].get("keep_turn") for _, body in decode.requests)
+    # Far under the time one ticket fetch may wait: no stream's end waited on one.
+    assert max(gaps) < legs.TURN_TIMEOUT_S / 2, gaps
+    assert len(made.turns) == 0  # none fetched: each decode's lease frees its turn
+
+
+async def test_a_streamed_turn_s_ticket_comes_from_the_decode_that_answered(
+    prefill: Prefill, side: SideChannel
+) -> None:
+    """The routed decode is dead, and another answers the stream: that one's side channel
+    holds the turn. Before, the dead one's was asked (and the stream's end waited on it)."""
+    decode = TurnKeeper(side)
+    await decode.start()
+    decode_kv = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{side.server.port}"]
+    made = Proxy([prefill.url], [dead_url(), decode.url], decode_kv, routing="pairs",
+                 reuse_turns=True)  # fmt: skip
+    try:
+        async with served(made) as client:
+            first = {**PROMPT, "prompt": "hi", "stream": True}
+            assert (await (await client.post("/v1/completions", json=first)).read()).endswith(
+                CHUNKS[-1])  # fmt: skip
+            await kept_turns(made, 1)
+            await client.post("/v1/completions", json={**PROMPT, "prompt": "hi there"})
+    finally:
+        await decode.stop()
+    turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+    assert turns[0] is None and turns[1]["remote_request_id"] == "turn-1"

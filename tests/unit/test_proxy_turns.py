@@ -3,6 +3,7 @@ conversation, whose it is, and what is released when."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -10,7 +11,8 @@ import pytest
 from vllm_qaic_proxy import apis, turns
 from vllm_qaic_proxy.turns import Turns
 
-ALICE, BOB = {"Authorization": "Bearer alice"}, {"Authorization": "Bearer bob"}
+ALICE = turns.client({"Authorization": "Bearer alice"}, "10.0.0.1")
+BOB = turns.client({"Authorization": "Bearer bob"}, "10.0.0.1")
 DECODE_KV = "127.0.0.1:5601"
 
 
@@ -145,3 +147,42 @@ def test_a_ticket_for_a_request_no_conversation_continues_is_released_at_once(ke
     kept.keep(apis.RESPONSES, {"model": "m", "input": "a b"}, ALICE, ticket(1))
     kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b", "n": 2}, ALICE, ticket(2))
     assert [t["remote_request_id"] for t in released] == ["t1", "t2"]
+
+
+def test_anonymous_clients_neither_take_nor_flush_each_other_s_turns(kept, monkeypatch):
+    """Without Authorization every client was one owner: any could take another's turn, or
+    flush the store. Now an anonymous client is its address."""
+    here, there = turns.client({}, "10.0.0.1"), turns.client({}, "10.0.0.2")
+    posing = turns.client({"Authorization": json.dumps([None, "10.0.0.1"])}, "10.0.0.3")
+    assert len({here, there, posing, ALICE}) == 4
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b"}, here, ticket(1))
+    later = {"model": "m", "prompt": "a b c"}
+    assert kept.take(apis.COMPLETIONS, later, there) is None
+    assert kept.take(apis.COMPLETIONS, later, posing) is None
+    monkeypatch.setattr(turns, "MAX_KEPT", 4)
+    for n in range(10):  # another anonymous client floods the store
+        kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": f"p{n}"}, there, ticket(n + 2))
+    assert kept.take(apis.COMPLETIONS, later, here)["remote_request_id"] == "t1"
+
+
+def test_the_store_is_bounded_in_bytes_and_a_flood_drops_the_flooder_s_turns(
+    kept, released, monkeypatch
+):
+    long = "x" * 1000
+    monkeypatch.setattr(turns, "MAX_KEPT_BYTES", 4000)
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": long}, ALICE, ticket(1))
+    for n in range(2, 10):
+        kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": f"{n}{long}"}, BOB, ticket(n))
+    assert len(kept) <= 4 and len(released) >= 5  # the bound holds: the oldest are released
+    assert {t["remote_request_id"] for t in released} <= {f"t{n}" for n in range(2, 10)}
+    assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": long + "y"}, ALICE) is not None
+
+
+def test_a_turn_kept_by_a_decode_marked_down_is_dropped_not_taken(released):
+    down = {"http://d1"}
+    kept = Turns(released.append, down=down.__contains__)
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "a b"}, ALICE, ticket(1), "http://d1")
+    kept.keep(apis.COMPLETIONS, {"model": "m", "prompt": "c d"}, ALICE, ticket(2), "http://d2")
+    assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "a b c"}, ALICE) is None
+    assert kept.take(apis.COMPLETIONS, {"model": "m", "prompt": "c d e"}, ALICE) is not None
+    assert len(kept) == 0 and released == []  # the dead decode's lease frees it
