@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import logging
+import secrets
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -41,7 +42,7 @@ ERROR_TYPES = {
 CONNECT_TIMEOUT_S = 10.0
 # What a relayed route passes on of the client's request and of the decode's answer.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-RELAYED_HEADERS = (*FORWARDED_HEADERS, "Content-Type", "Accept")
+RELAYED_HEADERS = ("Content-Type", "Accept")  # and `credentials`
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
@@ -345,8 +346,15 @@ class Legs:
 def credentials(request: web.Request) -> dict[str, str]:
     """The client's headers that the legs carry: its credentials, for the backends to check
     (``vllm serve --api-key``), and its request id, which vLLM takes as the request's own (so
-    both legs' logs name the client's id, as behind llm-d's sidecar)."""
-    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+    both legs' logs name the client's id, as behind llm-d's sidecar). The id gets a suffix
+    of this request's own, as vLLM's randomization adds: an engine run without it
+    (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION) never sees a client's repeated id twice."""
+    if "legs_headers" not in request:
+        headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+        if "X-Request-Id" in headers:
+            headers["X-Request-Id"] += f"-{secrets.token_hex(4)}"
+        request["legs_headers"] = headers
+    return dict(request["legs_headers"])
 
 
 def response_of(out: Sink) -> web.StreamResponse:

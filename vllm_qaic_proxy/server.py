@@ -255,7 +255,8 @@ class Proxy:
             )
             return web.json_response(error_body(404, problem), status=404)
         data = apis.relayed(await request.read())
-        headers = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
+        relayed = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
+        headers = {**credentials(request), **relayed}
         stored = request.path.startswith("/v1/responses/")  # one decode holds it, others 404
         pool = self.router.decodes
         try:

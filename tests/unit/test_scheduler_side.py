@@ -852,3 +852,21 @@ def test_without_a_prefix_cache_each_sampling_child_reads_the_ticket():
             "0_parent", "1_parent", "2_parent"]  # fmt: skip
     finally:
         decode.connector.shutdown()
+
+
+def test_a_request_id_used_again_within_its_lease_is_refused_and_leaves_the_first_alone(prefill):
+    """Request ids repeat where vLLM's randomization is off and a client repeats its
+    X-Request-Id: the second request with a staged id gets a clean error in its params;
+    the first one's staging stays until its own decode releases it."""
+    pool = prefill.connector.scheduler.pool
+    prefill.add_request(make_request("p1", 45, {"do_remote_decode": True}))
+    _, outputs = step(prefill)
+    first = params_of(outputs, "p1")
+    step(prefill, KVConnectorOutput(finished_sending={"p1"}))
+    prefill.add_request(make_request("p1", 45, {"do_remote_decode": True}, first=9))
+    _, outputs = step(prefill)
+    again = params_of(outputs, "p1")
+    assert again["do_remote_prefill"] is False and "already staged" in again["error"]
+    assert pool.has("p1") and first["do_remote_prefill"] is True
+    side_channel.call(first["remote_host"], first["remote_port"], ReleaseRequest(["p1"]), None, 5.0)
+    assert pool.pages_in_use == 0

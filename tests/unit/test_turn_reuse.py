@@ -307,3 +307,17 @@ def test_a_turn_s_header_binds_what_its_ticket_names_without_a_key(decode, edit)
     finally:
         reader.close()
         worker.shutdown()
+
+
+def test_a_turn_whose_request_id_still_holds_staging_is_not_kept(decode):
+    """A repeated request id (vLLM's randomization off, a client's X-Request-Id): this
+    kv_both engine staged a prefill as "r1" (vLLM has let the request go; its lease holds),
+    then a turn "r1" finishes. The turn is not kept, the engine goes on, and the staged
+    KV stays for its decode."""
+    decode.add_request(make_request("r1", 40, {"do_remote_decode": True}))
+    _, outputs = step(decode)
+    staged = params_of(outputs, "r1")
+    step(decode, KVConnectorOutput(finished_sending={"r1"}))
+    assert finish_turn(decode, "r1", 40, 10, first=9) is None
+    pool = decode.connector.scheduler.pool
+    assert staged["do_remote_prefill"] is True and pool.has("r1")

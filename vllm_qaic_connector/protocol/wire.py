@@ -18,7 +18,9 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 6: vLLM CPU's packings by name, layer names (5: vLLM 0.32's layouts)
+# 7: a region's header binds its ticket's tokens, blocks and format (`ticket_binding`);
+# 6: vLLM CPU's packings by name, layer names; 5: vLLM 0.32's layouts.
+PROTOCOL_VERSION = 7
 HOST_RE = re.compile(r"[A-Za-z0-9._:\-\[\]]{1,255}")  # a DNS name, IPv4 or IPv6 literal
 HASH_RE = re.compile(r"[0-9a-f]{32}")
 ENDPOINT_ADDRESS = re.compile(r"([^@]+)(?:@0x[0-9a-f]+)?")

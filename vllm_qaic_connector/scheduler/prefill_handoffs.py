@@ -362,9 +362,11 @@ class PrefillHandoffs:
         hold = self.cfg.async_saves and out.saved_to > 0 and not direct
         if hold:
             self._await_saves.append(rid)
-        # Reserved, never (wholly) staged; or aborted: nobody will come for it.
+        # Reserved, never (wholly) staged; or aborted: nobody will come for it. Never
+        # reserved (an error): any staging under its id is an earlier request's.
         if (spec := out.staged) is None or request.status not in _FINISHED:
-            self.pool.release(rid)
+            if out.offset is not None:
+                self.pool.release(rid)
             error = out.error if spec is None else None
             return hold, None if error is None else {"do_remote_prefill": False, "error": error}
         # The lease runs from the hand-out: nobody could read the ticket before, and the
@@ -391,8 +393,8 @@ class PrefillHandoffs:
         one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
         room = sum(self._direct_held.values()) + num_blocks <= self._direct_cap
         wanted = asked and one_group and room and num_tokens >= block_size
-        if not wanted or request.status not in _FINISHED:
-            return False, None
+        if not wanted or request.status not in _FINISHED or self.pool.has(rid):
+            return False, None  # has: its id repeats one still staged (randomization off)
         if (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
             return False, None
         assert self.kv_cache_manager is not None

@@ -65,7 +65,11 @@ class StagingPool:
             )
         with self._lock:
             if request_id in self._leases:
-                raise ValueError(f"request {request_id} is already staged")
+                raise ValueError(
+                    f"request id {request_id} is already staged by an earlier request whose "
+                    "lease holds: request ids must be unique (vLLM randomizes them unless "
+                    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is set)"
+                )
             held = self._held_by[holder]
             if quota is not None and held and held + need > quota:
                 return None
