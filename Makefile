@@ -35,7 +35,8 @@ clean:
 # The proxy against vLLM over 2 x 500 generated requests (CI runs 2 x 30 a day's seed).
 .PHONY: differential
 differential: setup
-	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1}
+	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1} \
+	  --concurrency $${CONCURRENCY:-4}
 
 # Multi-turn reuse: 8 conversations x 4 turns, shm and NIXL, the prefill's prefix cache on
 # and off, each beside the same run without reuse (CI runs the shm, cache-on one).
