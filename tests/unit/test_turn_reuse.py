@@ -11,8 +11,13 @@ import time
 
 import msgspec
 import pytest
+import torch
+from vllm import SamplingParams
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.request import RequestStatus
+from vllm.v1.request import Request, RequestStatus
 
 from testbed.handshake_ranks import rank_meta
 from testbed.vllm_harness import (
@@ -321,3 +326,37 @@ def test_a_turn_whose_request_id_still_holds_staging_is_not_kept(decode):
     assert finish_turn(decode, "r1", 40, 10, first=9) is None
     pool = decode.connector.scheduler.pool
     assert staged["do_remote_prefill"] is True and pool.has("r1")
+
+
+def an_image(rid: str, prompt: list[int], params: dict) -> Request:
+    """A request whose prompt holds an image's placeholder tokens (its KV is the image's)."""
+    init_none_hash(sha256)
+    image = MultiModalFeatureSpec(None, "image", "img-hash", PlaceholderRange(offset=2, length=8))
+    hasher = get_request_block_hasher(BS, sha256)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    req = Request(rid, list(prompt), greedy, None, mm_features=[image], block_hasher=hasher)
+    req.kv_transfer_params = params
+    return req
+
+
+def test_turns_are_neither_kept_nor_loaded_where_token_ids_do_not_prove_the_kv(decode, prefill):
+    """A kept turn's ticket proves token ids: an image (changed behind the same URL, it
+    keeps its placeholder tokens) or prompt embeddings are not what it proves. Such a turn
+    is not kept, and a valid ticket does not load into such a request."""
+    init_none_hash(sha256)
+    embedded = Request("emb", None, SamplingParams(max_tokens=3, temperature=0.0), None,
+                       prompt_embeds=torch.zeros(40, 64),
+                       block_hasher=get_request_block_hasher(BS, sha256))  # fmt: skip
+    embedded.kv_transfer_params = {"keep_turn": True}
+    decode.add_request(embedded)
+    for _ in range(4):
+        out, outputs = step(decode)
+        assert params_of(outputs, "emb") is None
+    assert "emb" not in decode.requests  # it finished, and nothing holds its blocks
+    ticket = finish_turn(decode, "t1", 40, 10)
+    prompt = make_request("x", 40).prompt_token_ids + [7] * 9 + [300, 301]
+    req = an_image("p2", prompt, {"do_remote_decode": True, "earlier_turns": ticket})
+    assert prefill.connector.get_num_new_matched_tokens(req, 0) == (0, False)
+    plain = make_request("p3", len(prompt), {"do_remote_decode": True, "earlier_turns": ticket})
+    plain.prompt_token_ids[:] = prompt
+    assert prefill.connector.get_num_new_matched_tokens(plain, 0) == (49, True)  # the control

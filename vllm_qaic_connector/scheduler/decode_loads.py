@@ -34,6 +34,13 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+def tokens_alone(request: Request) -> bool:
+    """Whether a request's KV follows from its token ids alone, so that a kept turn's
+    ticket (a hash over token ids) can prove it: not with prompt embeddings or images (an
+    image changed behind the same URL keeps its placeholder tokens)."""
+    return request.prompt_token_ids is not None and not request.mm_features
+
+
 class DecodeLoads:
     def __init__(
         self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], prefix_caching: bool = True
@@ -78,6 +85,8 @@ class DecodeLoads:
         prompt = request.prompt_token_ids or []
         params = request.kv_transfer_params or {} if turn is None else turn
         try:
+            if turn is not None and not tokens_alone(request):
+                raise ValueError("a turn's ticket proves token ids only: not with embeddings")
             if failed := params.get("error"):
                 raise ValueError(f"the prefill could not hand the KV off: {failed}")
             parsed = parse_remote_prefill(params)

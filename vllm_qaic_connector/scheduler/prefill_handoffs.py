@@ -36,6 +36,7 @@ from vllm_qaic_connector.protocol.wire import (
     ticket_mac,
 )
 from vllm_qaic_connector.scheduler import request_ids
+from vllm_qaic_connector.scheduler.decode_loads import tokens_alone
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import SaveSpec
@@ -384,7 +385,8 @@ class PrefillHandoffs:
         conversation's next prefill loads instead of computing. Kept where the router asked
         (``keep_turn``: it will carry the ticket back; a name: it asks for the ticket by that
         name, as a streamed answer carries none); not for an aborted turn, less than a
-        block, KV in more than one full-attention group, or without room."""
+        block, KV in more than one full-attention group, without room, or where its KV
+        does not follow from its token ids alone (`tokens_alone`)."""
         rid, block_size = request.request_id, self.engine.geometry.block_size
         name = (request.kv_transfer_params or {}).get("keep_turn")
         asked = name is True or (isinstance(name, str) and name != "")
@@ -392,7 +394,7 @@ class PrefillHandoffs:
         num_blocks = blocks_for_tokens(num_tokens, block_size)
         one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
         room = sum(self._direct_held.values()) + num_blocks <= self._direct_cap
-        wanted = asked and one_group and room and num_tokens >= block_size
+        wanted = asked and one_group and room and num_tokens >= block_size and tokens_alone(request)
         if not wanted or request.status not in _FINISHED or self.pool.has(rid):
             return False, None  # has: its id repeats one still staged (randomization off)
         if (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
