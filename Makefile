@@ -32,7 +32,8 @@ test: setup lint
 clean:
 	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
 
-# The proxy against vLLM over 2 x 500 generated requests (CI runs 2 x 30 a day's seed).
+# The proxy against vLLM over 2 x 500 generated requests, 4 conversations at once (CI runs
+# 30 of one fleet a day, with the day's seed).
 .PHONY: differential
 differential: setup
 	$(PY) -m testbed.differential --requests $${REQUESTS:-500} --seed $${SEED:-1} \
