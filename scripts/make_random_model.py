@@ -9,13 +9,16 @@ float32 rounding: two servers that compute the same KV agree token for token, an
 computes other KV does not.
 
     python scripts/make_random_model.py OUT_DIR
-        [--arch llama|qwen3|gemma3|granite_hybrid|deepseek_v2|deepseek_v3_mtp|llama_8b_kv]
+        [--arch llama|qwen3|gemma3|gemma4_kv_shared|granite_hybrid|deepseek_v2|...]
         [--tokenizer byte_level|sentencepiece]
 
 - llama: grouped-query attention (4 query heads over 2 KV heads of 64), 3 layers.
 - qwen3: q/k RMSNorm, 4 KV heads of 64, 3 layers.
 - gemma3: 4 layers alternating sliding-window (64) and full attention: vLLM builds a
   hybrid (two-group) KV cache.
+- gemma4_kv_shared: Gemma 4's cross-layer KV sharing: of 4 layers (sliding-window and full
+  attention alternating) the last two read the KV of the last earlier layer of their kind
+  (vLLM's ``kv_sharing_target_layer_name``) and have none of their own.
 - granite_hybrid: a GraniteMoeHybrid whose 4 layers alternate Mamba2 and attention: a KV
   cache group plus a Mamba state group.
 - llama_8b_kv: Llama-3-8B's KV bytes per token (32 layers, 8 KV heads of 128, bfloat16)
@@ -49,6 +52,8 @@ from transformers import (
     DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GraniteMoeHybridConfig,
     GraniteMoeHybridForCausalLM,
     LlamaConfig,
@@ -190,6 +195,18 @@ def gemma3(vocab: int) -> PreTrainedModel:
     return Gemma3ForCausalLM(cfg)
 
 
+def gemma4_kv_shared(vocab: int) -> PreTrainedModel:
+    """Layers 2 and 3 attend with layers 0's and 1's KV (``num_kv_shared_layers``)."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    cfg = Gemma4TextConfig(
+        **shared(vocab), num_hidden_layers=4, num_key_value_heads=2, num_kv_shared_layers=2,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": rope, "full_attention": rope},
+        hidden_size_per_layer_input=0, per_layer_config={}, architectures=["Gemma4ForCausalLM"],
+    )  # fmt: skip
+    return Gemma4ForCausalLM(cfg)
+
+
 def granite_hybrid(vocab: int) -> PreTrainedModel:
     """Layers alternate Mamba2 (recurrent state) and attention, with dense MLPs."""
     sizes = {k: v for k, v in shared(vocab).items() if k != "head_dim"}
@@ -259,7 +276,8 @@ def deepseek_v3_mtp(vocab: int) -> PreTrainedModel:
 
 
 ARCHS = {
-    "llama": llama, "qwen3": qwen3, "gemma3": gemma3, "granite_hybrid": granite_hybrid,
+    "llama": llama, "qwen3": qwen3, "gemma3": gemma3, "gemma4_kv_shared": gemma4_kv_shared,
+    "granite_hybrid": granite_hybrid,
     "deepseek_v2": deepseek_v2, "deepseek_v3_mtp": deepseek_v3_mtp, "llama_8b_kv": llama_8b_kv,
 }  # fmt: skip
 

@@ -191,7 +191,7 @@ ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_
             "DECODE_BLOCK_SIZE": "32"}  # fmt: skip
 
 
-@pytest.mark.daily  # one model family a day (CI time); ALL_CASES=1 runs all three
+@pytest.mark.daily  # one model family a day (CI time); ALL_CASES=1 runs all four
 @pytest.mark.parametrize(
     ("arch", "tokenizer", "env"),
     [
@@ -212,9 +212,12 @@ ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_
         # other way (32 -> 128): CI time.
         ("gemma3", "sentencepiece", {**ONE_PAIR, "PREFILL_BLOCK_SIZE": "32",
                                      "DECODE_BLOCK_SIZE": "128", "LONE_GAPS": "0"}),
+        # Layers 2 and 3 read 0's and 1's KV (Gemma 4's KV sharing), 4 requests at once:
+        # staging all 4 layers (before the fix) gave 3 HTTP 500s and 81% agreement here.
+        ("gemma4_kv_shared", "byte_level", {**ONE_PAIR, "CONCURRENCY": "4", "LONE_GAPS": "0"}),
     ],
     ids=["llama-gqa-nixl-vllm-router", "qwen3-nixl-decode-converts",
-         "gemma3-hybrid-sentencepiece-shm"],
+         "gemma3-hybrid-sentencepiece-shm", "gemma4-kv-shared-layers-shm"],
 )  # fmt: skip
 def test_random_models_with_their_own_tokenizers_agree_token_for_token(
     tmp_path_factory, arch, tokenizer, env
@@ -233,6 +236,8 @@ def test_random_models_with_their_own_tokenizers_agree_token_for_token(
         assert int(loads.group(1)) == 16 + 3  # and the lone ones, after gaps of 0, 2, 15 s
     if arch == "qwen3":  # heads of 80 dims: vLLM's vec16 kernels, on every x86 host
         assert "decode0: vLLM CPU attention ISA vec16 packs KV as vllm_cpu_vec" in out
+    if arch == "gemma4_kv_shared":  # each physical cache once
+        assert re.search(r"prefill0: \S+ layout, 2 layers", out), out[-2000:]
     if arch == "gemma3":
         cfg = json.loads((model / "config.json").read_text())
         # Full-length KV of every layer, float32; the sliding-window layers (half of them)

@@ -98,6 +98,25 @@ def test_this_hosts_packing_is_proven_by_vllms_own_op(dtype, bs, head):
     assert not matches_vllm_op("BLHNC", isa, g)  # the probe has teeth
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kind"),
+    [(torch.float32, "vllm_cpu_vec"), (torch.float16, "vllm_cpu_vec"),
+     (torch.bfloat16, "vllm_cpu_neon_bf16")],
+)  # fmt: skip
+def test_unverified_neon_caches_are_named_by_their_dtype(monkeypatch, dtype, kind):
+    """On ARM vLLM picks `neon` for every dtype; it packs bf16 in BFMMLA's tiles (a build
+    with ARM bf16) but float32 and float16 as `vec` (csrc/cpu/cpu_attn_neon.hpp). With
+    verify_cpu_layout off, the dtype decides the name."""
+    from vllm.platforms import CpuArchEnum
+    from vllm.v1.attention.backends import cpu_attn
+
+    monkeypatch.setattr(cpu_attn.current_platform, "get_cpu_architecture", lambda: CpuArchEnum.ARM)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    g = KVGeometry(num_heads=2, head_size=64, block_size=32, dtype=dtype)
+    assert attention_isa(g) == "neon"  # vLLM's own choice on that host
+    assert cpu_layout(g, verify=False).kind == kind
+
+
 def test_fp8_cpu_cache_is_refused_by_name():
     g = KVGeometry(num_heads=2, head_size=HEAD, block_size=32, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="fp8 KV cache"):

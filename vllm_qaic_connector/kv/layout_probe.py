@@ -16,7 +16,8 @@ from vllm_qaic_connector.logs import get_logger
 logger = get_logger(__name__)
 
 # The packings each ISA of vLLM 0.32 CPU may write, the likeliest first (`neon` writes
-# BFMMLA's tiles for bf16 where vLLM was built with ARM bf16, else `vec`'s).
+# BFMMLA's tiles for bf16 where vLLM was built with ARM bf16, else `vec`'s; float32 and
+# float16 always `vec`'s: csrc/cpu/cpu_attn_neon.hpp).
 ISA_PACKINGS: dict[str, tuple[str, ...]] = {
     "amx": ("vllm_cpu_amx",),
     "neon": ("vllm_cpu_neon_bf16", "vllm_cpu_vec"),
@@ -62,6 +63,8 @@ def cpu_layout(geometry: KVGeometry, verify: bool = True) -> KVLayout:
         )
     isa = attention_isa(geometry)
     kinds = ISA_PACKINGS.get(isa, ())
+    if geometry.dtype != torch.bfloat16:  # BFMMLA's tiles hold bf16 alone
+        kinds = tuple(k for k in kinds if k != "vllm_cpu_neon_bf16")
     for kind in kinds if verify else kinds[:1]:
         if not verify or matches_vllm_op(kind, isa, geometry):
             how = "checked with vLLM's cache-write op" if verify else "unchecked"

@@ -159,9 +159,13 @@ def local_cache(
     layout_name: str | None = None,
 ) -> LocalCache:
     """The registered caches in layer order, their layout (``layout``, else the one vLLM
-    resolved, ``layout_name``) and, for Mamba layers, their recurrent state."""
+    resolved, ``layout_name``) and, for Mamba layers, their recurrent state. Only the
+    groups' layers: vLLM also registers each layer that reads another's KV
+    (``kv_sharing_target_layer_name``) under its own name, its target's cache again."""
     state_names = ordered_layers(groups, state=True)
-    names = in_layer_order(set(kv_caches) - set(state_names))
+    names = ordered_layers(groups) or in_layer_order(set(kv_caches) - set(state_names))
+    if shared := sorted(set(kv_caches) - set(names) - set(state_names)):
+        logger.info("QAICConnector: %s read other layers' KV; not moved twice", shared)
     tensors = [kv_caches[n] for n in names]
     layout = layout or resolved_layout(layout_name, geometry, verify_cpu_layout)
     for name, t in zip(names, tensors, strict=True):  # a cache we cannot read: say so
