@@ -24,6 +24,7 @@ from vllm_qaic_connector.protocol.wire import (
     HandshakeReply,
     HandshakeRequest,
     RankMetadata,
+    RemotePrefill,
     address_problem,
     incompatibility,
     staging_name,
@@ -216,6 +217,32 @@ class PeerDirectory:
         """Drop what we know of a peer (it restarted): the next lookup handshakes afresh."""
         with self._lock:
             self._entries.pop((host, port), None)
+
+    def staged_by(
+        self,
+        remote: RemotePrefill,
+        restarted: Callable[[list[RankMetadata]], None] = lambda _: None,
+        retry: bool = True,
+    ) -> list[RankMetadata]:
+        """The ranks of the engine start that staged ``remote``: a peer met before, that has
+        restarted since, is handshaken afresh (``restarted`` hears of its old ranks). Raises
+        ConnectionError where the address answers as another engine, or as a later start
+        (the KV is gone with the earlier one)."""
+        host, port = remote.remote_host, remote.remote_port
+        ranks = self.get(host, port, retry)
+        if ranks[0].incarnation != remote.incarnation:
+            restarted(ranks)
+            self.forget(host, port)
+            ranks = self.get(host, port)
+        if ranks[0].engine_id != remote.remote_engine_id:
+            raise ConnectionError(
+                f"{host}:{port} is engine {ranks[0].engine_id!r}, not {remote.remote_engine_id!r}"
+            )
+        if ranks[0].incarnation != remote.incarnation:
+            raise ConnectionError(
+                f"engine {remote.remote_engine_id} restarted since it staged the KV"
+            )
+        return ranks
 
     def poll(self, host: str, port: int, retry: bool = True) -> list[RankMetadata] | str | None:
         """Ranks if known, an error string if the handshake failed, None while pending.

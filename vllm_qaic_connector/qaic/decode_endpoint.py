@@ -204,15 +204,10 @@ class DecodeEndpoint:
         the acknowledgement (NIXL), so no release is left to send."""
         if late := wire.ticket_problem(remote, None, renewed_until=held_until):
             raise ConnectionError(late)
-        ranks = self.peers.get(remote.remote_host, remote.remote_port)
-        if ranks[0].incarnation != remote.incarnation:  # the prefill restarted: meet it again
-            self.peers.forget(remote.remote_host, remote.remote_port)
-            ranks = self.peers.get(remote.remote_host, remote.remote_port)
+        ranks = self.peers.staged_by(remote)
         src, n = ranks[0], remote.num_tokens
-        if src.engine_id != remote.remote_engine_id or len(ranks) != 1:
+        if len(ranks) != 1:
             raise ConnectionError(f"peer is {src.engine_id!r} with TP {len(ranks)}, want TP 1")
-        if src.incarnation != remote.incarnation:
-            raise ConnectionError(f"engine {src.engine_id} restarted since it staged the KV")
         geo = KVGeometry(src.num_kv_heads, src.head_size, remote.staged_block_size,
                          torch_dtype(src.dtype))  # fmt: skip
         notifies = self.reader.delivers_notifications  # else: released over the side channel

@@ -98,25 +98,16 @@ class RequestLoads:
         self._releaser.shutdown(wait=False)  # queued releases still go out
 
     def _peer_ranks(self, spec: LoadSpec) -> list[RankMetadata]:
-        """The prefill's ranks as of the ticket's incarnation: a peer that restarted since
-        we last met it is handshaken afresh, and its old mappings are dropped."""
-        remote = spec.remote
-        assert remote is not None
-        host, port = remote.remote_host, remote.remote_port
-        ranks = self.peers.get(host, port, retry=False)  # the handshake this load waited on
-        if ranks[0].incarnation != remote.incarnation:
-            for old in ranks:
-                self.transport.forget_peer(old.endpoint)
-                self.direct.forget(owner_of(old))
-            self.peers.forget(host, port)
-            ranks = self.peers.get(host, port)
-        if ranks[0].engine_id != remote.remote_engine_id:
-            raise ConnectionError(
-                f"{host}:{port} is engine {ranks[0].engine_id!r}, not {remote.remote_engine_id!r}"
-            )
-        if ranks[0].incarnation != remote.incarnation:
-            raise StaleTicket(f"engine {remote.remote_engine_id} restarted since it staged the KV")
-        return ranks
+        """The prefill's ranks as of the ticket's incarnation (`PeerDirectory.staged_by`):
+        the handshake this load waited on, or, where it restarted since, a fresh one."""
+        assert spec.remote is not None
+        return self.peers.staged_by(spec.remote, self._forget_mappings, retry=False)
+
+    def _forget_mappings(self, ranks: list[RankMetadata]) -> None:
+        """A restarted peer's old ranks: what we mapped or registered of them goes."""
+        for old in ranks:
+            self.transport.forget_peer(old.endpoint)
+            self.direct.forget(owner_of(old))
 
     def _staged(self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate) -> LoadResult:
         """Reads each source rank's staged heads (ticket-checked) into our blocks."""
