@@ -91,6 +91,7 @@ from vllm_qaic_proxy import apis, first_token, prompt_lists
 
 KEPT, LOADED = "vllm:qaic_kv_kept_turns_total", "vllm:qaic_kv_loaded_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
+LEFT = "client-left-"  # the request id of a request whose client leaves early
 PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -409,8 +410,11 @@ def answer(url: str, request: Request, body: dict[str, Any]) -> tuple[Any, list[
 
 
 def leave_early(url: str, request: Request) -> Any:
-    """A client that reads a stream's first event and closes it; a refusal as it came."""
-    post = {"json": request.body, "headers": request.headers, "stream": True, "timeout": 300}
+    """A client that reads a stream's first event and closes it; a refusal as it came. Its
+    request id starts with `LEFT`: the decode's log names it where its load failed (the
+    proxy released the staging when the client went; the request was aborted anyway)."""
+    headers = {**request.headers, "X-Request-Id": f"{LEFT}{secrets.token_hex(4)}"}
+    post = {"json": request.body, "headers": headers, "stream": True, "timeout": 300}
     with requests.post(url + request.path, **post) as r:  # type: ignore[arg-type]
         if r.status_code != 200:
             return {"status": r.status_code}
@@ -584,6 +588,10 @@ def compare(fleet: Fleet, n: int, seed: int, concurrency: int, tally: Tally) -> 
             f.result()
 
 
+def log_lines(server: VllmServer) -> list[str]:
+    return server.log_path.read_text(errors="replace").splitlines()
+
+
 def transfers(fleet: Fleet, before: dict[str, float], tally: Tally, reuse: bool) -> list[str]:
     """What the run's transfers did wrong: loads the requests do not explain, load
     failures, an engine still busy or holding staging pages or blocks."""
@@ -591,6 +599,9 @@ def transfers(fleet: Fleet, before: dict[str, float], tally: Tally, reuse: bool)
     decode, prefill = fleet.decode, fleet.prefill
     loaded = decode.metric(LOADED, 0.0) - before["loaded"]
     failed = decode.metric(LOAD_FAILURES, 0.0) - before["failed"]
+    # Load failures of requests whose client left are not the transfer's (logged by id).
+    log = log_lines(fleet.decode)[int(before["log_lines"]) :]
+    failed -= sum(1 for line in log if "KV load failed" in line and LEFT in line)
     problems = []
     if not tally.fewest <= loaded <= tally.most:
         problems.append(f"the decode loaded {loaded:.0f} prompts, expected {tally.fewest}"
@@ -703,7 +714,8 @@ def run_differential(
             say(f"[differential] fleet {name}: {n} requests, seed {seed}, concurrency "
                 f"{concurrency}")  # fmt: skip
             before = {"loaded": decode.metric(LOADED, 0.0),
-                      "failed": decode.metric(LOAD_FAILURES, 0.0)}  # fmt: skip
+                      "failed": decode.metric(LOAD_FAILURES, 0.0),
+                      "log_lines": len(log_lines(decode))}  # fmt: skip
             tally = Tally(say)
             t0 = time.monotonic()
             compare(fleet, n, seed, concurrency, tally)

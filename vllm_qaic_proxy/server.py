@@ -136,11 +136,12 @@ class Proxy:
                         lambda url: self.legs.prefill(url + request.path, to_prefill, auth),
                     )
                 except LegError as exc:
-                    if exc.body is not None:  # the prefill's own 4xx: the client's to fix
-                        raise
                     # No prefill served it (all down, or failing): the decode computes the
-                    # prompt itself, slower but answered, as llm-d's sidecar falls back.
-                    logger.warning("%s; the decode computes the prompt itself", exc)
+                    # prompt itself, slower but answered, as llm-d's sidecar falls back. A
+                    # prefill's refusal (4xx) is of the prefill leg (one token, n = 1, not
+                    # streamed): the decode answers the request as vLLM alone would (a 400
+                    # naming another field first; a stream's, an error event).
+                    logger.warning("%s; the decode answers the request itself", exc)
                     prefilled = {}
                 finally:
                     if turn:  # loaded by now, or computed: the decode may free it

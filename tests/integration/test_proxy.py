@@ -393,6 +393,8 @@ class Decode(Backend):
             return web.json_response({"error": {"message": "not found"}}, status=404)
         if self.answer == "text":
             return web.Response(text="upstream exploded", content_type="text/plain")
+        if self.answer == "reject":  # what vLLM refuses before it streams
+            return web.json_response(Prefill.REJECTION, status=400)
         if not body.get("stream"):
             return web.json_response(self.answer_for(body))
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -708,12 +710,14 @@ def test_a_backend_marked_down_is_skipped_until_its_time_is_up(monkeypatch) -> N
 
 
 async def test_a_backend_400_passes_through(prefill: Prefill, decode: Decode) -> None:
-    prefill.answer = "reject"
+    """The prefill's refusal is of its leg (one token, n = 1): the decode answers the
+    request itself, and its refusal reaches the client as it came."""
+    prefill.answer = decode.answer = "reject"
     async with proxy([prefill.url], [decode.url]) as client:
         resp = await client.post("/v1/completions", json=PROMPT)
         assert resp.status == 400
         assert await resp.json() == Prefill.REJECTION
-    assert decode.requests == []
+    assert len(decode.requests) == 1
 
 
 async def test_a_failed_handoff_goes_to_the_decode_whose_policy_decides(
@@ -1009,11 +1013,27 @@ async def test_a_streamed_list_of_prompts_is_one_stream_as_vllm_streams_it(
 async def test_a_streamed_list_whose_prompts_all_fail_is_their_error(
     prefill: Prefill, decode: Decode
 ) -> None:
-    prefill.answer = "reject"
+    """A stream the prefill refuses is the decode's to answer, as vLLM alone would: its own
+    400 where it refuses before streaming (here), an error event where while generating."""
+    prefill.answer = decode.answer = "reject"
     async with proxy([prefill.url], [decode.url]) as client:
         resp = await client.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True})
         assert await resp.json() == Prefill.REJECTION and resp.status == 400
-    assert decode.requests == []
+    assert len(decode.requests) == 2
+
+
+async def test_a_stream_refused_by_the_prefill_is_answered_by_the_decode(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """vLLM refuses some parameters only while generating (logit_bias under speculative
+    decoding): a stream then answers 200 with an error event, where the prefill leg (not
+    streamed) answers 400. The decode, which streams, answers the client as vLLM would."""
+    prefill.answer, decode.extra = "reject", [b'data: {"error": {"message": "no"}}\n\n']
+    decode.go.set()
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json={**PROMPT, "stream": True})
+        assert resp.status == 200 and b'{"error": {"message": "no"}}' in await resp.read()
+    assert not decode.requests[0][1].get("kv_transfer_params")  # computed there, no ticket
 
 
 async def test_a_stream_starts_with_the_prefills_token_once_the_decode_took_the_request(

@@ -17,9 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
-from vllm_qaic_connector.logs import get_logger
-
-logger = get_logger(__name__)
 Spec = TypeVar("Spec")
 Result = TypeVar("Result")
 LOAD_THREADS = 8
@@ -102,8 +99,7 @@ class Loader(Generic[Spec, Result]):
         try:
             result = self._run(spec, gate)
         except Exception as exc:
-            logger.error("QAICConnector: KV load failed: %s", exc)
-            result = self._fail(spec, str(exc))
+            result = self._fail(spec, str(exc))  # which logs it, naming the request
         with self._lock:
             self._running[peer] -= 1
         self._finish(gate, result)
@@ -136,7 +132,6 @@ class Loader(Generic[Spec, Result]):
             overdue = [(s, g) for s, g, deadline in self._in_flight.values() if deadline <= now]
         for spec, gate in overdue:
             reason = f"load did not finish within load_timeout_s={self.timeout_s:g}"
-            logger.error("QAICConnector: %s", reason)
             self._finish(gate, self._fail(spec, reason))
         with self._lock:
             done, self._finished = self._finished, []

@@ -12,6 +12,7 @@ from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.token_copies import layer_runs
 from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, source_ranks
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
+from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import (
@@ -45,6 +46,9 @@ class LoadResult:
     direct: bool = False  # copied out of the prefill's KV cache, not out of staging
 
 
+logger = get_logger(__name__)
+
+
 class RequestLoads:
     """Runs on the `Loader`'s threads; ``failed`` also on the engine's."""
 
@@ -75,6 +79,7 @@ class RequestLoads:
         return self._staged(spec, ranks, gate)
 
     def failed(self, spec: LoadSpec, reason: str) -> LoadResult:
+        logger.error("QAICConnector: request %s: KV load failed: %s", spec.request_id, reason)
         # Only to a peer that answered a handshake: a dead one would hold a thread for
         # nothing (its lease frees the pages). Off this thread: it may be the engine's.
         remote = spec.remote
