@@ -1,6 +1,6 @@
 """The scheduler half: a decode's loads (`decode_loads`), a prefill's handoffs
-(`prefill_handoffs`), and the side-channel listener both answer on. It holds no tensors,
-layouts or transports."""
+(`prefill_handoffs`), a decode's kept turns (`kept_turns`), and the side-channel listener
+they answer on. It holds no tensors, layouts or transports."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from vllm_qaic_connector.protocol.wire import (
     handshake_reply,
 )
 from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
+from vllm_qaic_connector.scheduler.kept_turns import KeptTurns
 from vllm_qaic_connector.scheduler.prefill_handoffs import (
     PrefillEngine,
     PrefillHandoffs,
@@ -91,6 +92,7 @@ class SchedulerSide:
             answer_cap(vllm_config.model_config),
         )  # fmt: skip
         self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
+        self.turns = KeptTurns(self.handoffs) if cfg.reuse_turns else None
         if cfg.shared_key is None and not is_loopback(cfg.side_channel_host):
             logger.warning(
                 "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
@@ -124,7 +126,8 @@ class SchedulerSide:
         if isinstance(msg, RenewRequest):
             return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
         if isinstance(msg, TurnRequest):  # a stream's router, for the ticket of its turn
-            if (ticket := self.handoffs.named_turns.get(msg.turn_id)) is None:
+            named = self.turns.named if self.turns else {}
+            if (ticket := named.get(msg.turn_id)) is None:
                 return ErrorReply(
                     f"no turn kept as {msg.turn_id!r}: never kept (reuse_turns off, aborted, "
                     "under a block, no room) or given up since (released, evicted, expired)"
@@ -180,13 +183,16 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self.releases.expire()
-        if self.cfg.reuse_turns:
-            self.handoffs.evict_turns()
+        if self.turns:
+            self.turns.evict()
         released = self.handoffs.released_direct()  # before drain_freed
-        # Before the seals: a kept turn released by then is never sealed (`saves_for_step`).
+        if released and self.turns:  # not every step: only when blocks went
+            self.turns.forget()
+        # Before the seals: a kept turn released by then is never sealed (`take_seals`).
         invalidate = self.pool.drain_freed()
+        seals = self.turns.take_seals() if self.turns else []
         return QAICConnectorMetadata(
-            saves=self.handoffs.saves_for_step(scheduler_output),
+            saves=seals + self.handoffs.saves_for_step(scheduler_output),
             loads=self.loads.take(),
             invalidate=invalidate,
             await_saves=self.handoffs.take_await_saves(),
@@ -205,6 +211,8 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
         loading = self.loads.finished(request.request_id)
+        if self.turns and not loading and not self.handoffs.outgoing(request.request_id):
+            return self.turns.keep(request)  # a decode's turn, not a prefill's handoff
         return self.handoffs.finished(request, loading=loading)
 
     def has_pending_push_work(self) -> bool:

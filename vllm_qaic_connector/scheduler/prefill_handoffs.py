@@ -1,9 +1,9 @@
 """A prefill engine's requests on their way to decodes, in the scheduler: the decode's
 format learnt by handshake, staging reserved before the prompt runs, a save per computed
 chunk, and the ticket when the request finishes (its staging is freed by
-`staging_releases`). With ``reuse_turns``, a decode's finished turn is handed back the same
-way, its blocks held for the conversation's next prefill. Logical only: no tensors,
-layouts or transports."""
+`staging_releases`); a direct handoff's blocks held until its ticket is gone. A decode's
+kept turn (`kept_turns`) leaves the same way. Logical only: no tensors, layouts or
+transports."""
 
 from __future__ import annotations
 
@@ -36,7 +36,6 @@ from vllm_qaic_connector.protocol.wire import (
     ticket_mac,
 )
 from vllm_qaic_connector.scheduler import request_ids
-from vllm_qaic_connector.scheduler.decode_loads import tokens_alone
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import SaveSpec
@@ -48,7 +47,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
-_FINISHED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)  # not aborted
+FINISHED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)  # not aborted
 
 
 def _unreturnable(rid: str) -> str | None:
@@ -123,14 +122,10 @@ class PrefillHandoffs:
         self._layer_groups = layer_groups(engine.groups, ordered_layers(engine.groups))
         self._outgoing: dict[str, _Outgoing] = {}
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
-        self._direct_held: dict[str, int] = {}  # handed off directly: blocks held, by request
-        self._turns: list[str] = []  # kept turns (also in _direct_held), oldest first
-        # Kept turns' tickets by the router's name for them (``keep_turn``), for a stream's
-        # router to ask for over the side channel (that thread only reads it).
-        self.named_turns: dict[str, RemotePrefill] = {}
-        self._seals: list[SaveSpec] = []  # kept turns' tickets, sealed at the next step
-        # Held blocks shrink the KV cache: past half of it, requests stage instead.
-        self._direct_cap = engine.num_blocks // 2
+        # Blocks held for readers, by request: direct handoffs' and kept turns'. They shrink
+        # the KV cache: past half of it, requests stage instead and turns are not kept.
+        self.held: dict[str, int] = {}
+        self.held_cap = engine.num_blocks // 2
         self._named_at: dict[str, float] = {}  # decodes requests named, when last
         self._generations = generations()
         self.stats = QAICConnectorStats()  # counters, taken by the scheduler side's stats
@@ -154,7 +149,7 @@ class PrefillHandoffs:
             if (target := self._resolve_target(rid, params, out.waiting_since)) is None:
                 return None, False
             wanted = request.num_prompt_tokens // self.engine.geometry.block_size
-            if sum(self._direct_held.values()) + wanted > self._direct_cap:
+            if sum(self.held.values()) + wanted > self.held_cap:
                 target = dataclasses.replace(target, direct=False)
             out.target, out.waiting_since = target, now
         fmt = out.target.largest_format(
@@ -246,12 +241,7 @@ class PrefillHandoffs:
     # --- each step ----------------------------------------------------------------------
 
     def saves_for_step(self, out: SchedulerOutput) -> list[SaveSpec]:
-        """This step's saves, and the seals of turns kept since the last step. Run after the
-        pool's drain_freed: a turn released by then (evicted, released, expired) is not
-        sealed, as its blocks go back to vLLM; one released later is invalidated at the
-        next step, before its blocks are reported free."""
-        saves = [seal for seal in self._seals if self.pool.has(seal.request_id)]
-        self._seals = []
+        saves = []
         for rid, outgoing in self._outgoing.items():
             req, scheduled = outgoing.request, out.num_scheduled_tokens.get(rid, 0)
             if req is None or scheduled == 0:
@@ -313,7 +303,7 @@ class PrefillHandoffs:
         )
         if not final:
             return spec
-        return dataclasses.replace(spec, binding=ticket_binding(self._ticket(req, spec)))
+        return dataclasses.replace(spec, binding=ticket_binding(self.ticket(req, spec)))
 
     def take_await_saves(self) -> list[str]:
         taken, self._await_saves = self._await_saves, []
@@ -323,27 +313,16 @@ class PrefillHandoffs:
         """Direct handoffs whose tickets are gone (released, expired): their blocks may go.
         Run before the pool's drain_freed, so a ticket is invalidated no later than its
         blocks are freed."""
-        released = [rid for rid in self._direct_held if not self.pool.has(rid)]
+        released = [rid for rid in self.held if not self.pool.has(rid)]
         for rid in released:
-            del self._direct_held[rid]
-        if released:  # run every step: the kept turns are looked through only when one went
-            held, named = self._direct_held, self.named_turns.items()
-            self._turns = [rid for rid in self._turns if rid in held]
-            self.named_turns = {n: t for n, t in named if t.remote_request_id in held}
+            del self.held[rid]
         return released
 
-    def evict_turns(self) -> None:
-        """Kept turns give way to running requests: while fewer than an eighth of the KV
-        cache's blocks are free, the oldest kept turn is released (its blocks come back at
-        the next step)."""
-        assert self.kv_cache_manager is not None
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        while self._turns and free < self.engine.num_blocks // 8:
-            rid = self._turns.pop(0)
-            free += self._direct_held[rid]
-            self.stats.add("evicted_turns", self.pool.release(rid))
-
     # --- when the request finishes --------------------------------------------------------
+
+    def outgoing(self, request_id: str) -> bool:
+        """Whether the request is on its way to a decode (``do_remote_decode``)."""
+        return request_id in self._outgoing
 
     def finished(self, request: Request, loading: bool) -> tuple[bool, Any]:
         """`request_finished` for a prefill: whether vLLM holds its blocks, and the ticket a
@@ -355,8 +334,8 @@ class PrefillHandoffs:
             # Aborted mid-load: the worker may still write these blocks. vLLM frees them
             # when the worker reports the load finished.
             return True, None
-        if out is None:  # no handoff: with reuse_turns, a decode's turn may be kept
-            return self._keep_turn(request) if self.cfg.reuse_turns else (False, None)
+        if out is None:
+            return False, None
         # Saves run on the worker's own thread, after the step: the blocks they read stay
         # held until the worker reports them finished sending.
         direct = out.target is not None and out.target.direct
@@ -365,7 +344,7 @@ class PrefillHandoffs:
             self._await_saves.append(rid)
         # Reserved, never (wholly) staged; or aborted: nobody will come for it. Never
         # reserved (an error): any staging under its id is an earlier request's.
-        if (spec := out.staged) is None or request.status not in _FINISHED:
+        if (spec := out.staged) is None or request.status not in FINISHED:
             if out.offset is not None:
                 self.pool.release(rid)
             error = out.error if spec is None else None
@@ -375,52 +354,11 @@ class PrefillHandoffs:
         # logprobs request: 11 s here, which spent a 2 s lease before the ticket was out).
         self.pool.renew(rid)
         if spec.direct:  # its blocks are the KV: held until the lease is released or ends
-            self._direct_held[rid] = len(spec.block_ids[0])
+            self.held[rid] = len(spec.block_ids[0])
             hold = True
-        return hold, msgspec.to_builtins(self._ticket(request, spec))
+        return hold, msgspec.to_builtins(self.ticket(request, spec))
 
-    def _keep_turn(self, request: Request) -> tuple[bool, Any]:
-        """A decode's finished turn: its blocks held under a lease, and a ticket for the
-        prompt and the answer's tokens but the last (whose KV was never computed), which the
-        conversation's next prefill loads instead of computing. Kept where the router asked
-        (``keep_turn``: it will carry the ticket back; a name: it asks for the ticket by that
-        name, as a streamed answer carries none); not for an aborted turn, less than a
-        block, KV in more than one full-attention group, without room, or where its KV
-        does not follow from its token ids alone (`tokens_alone`)."""
-        rid, block_size = request.request_id, self.engine.geometry.block_size
-        name = (request.kv_transfer_params or {}).get("keep_turn")
-        asked = name is True or (isinstance(name, str) and name != "")
-        num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        num_blocks = blocks_for_tokens(num_tokens, block_size)
-        one_group = len(self.engine.groups) == 1 and not self.engine.groups[0].window
-        room = sum(self._direct_held.values()) + num_blocks <= self._direct_cap
-        wanted = asked and one_group and room and num_tokens >= block_size and tokens_alone(request)
-        if not wanted or request.status not in _FINISHED or self.pool.has(rid):
-            return False, None  # has: its id repeats one still staged (randomization off)
-        if (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
-            return False, None
-        assert self.kv_cache_manager is not None
-        block_ids = self.kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
-        spec = SaveSpec(
-            request_id=rid,
-            block_ids=(list(block_ids),),
-            num_tokens=num_tokens,
-            staging_offset=offset,
-            layout_kind=self.ranks[0].layout_kind if self.ranks else "",
-            block_size=block_size,
-            generation=next(self._generations),
-            direct=True,
-        )
-        ticket = self._ticket(request, spec, turn=True)
-        self._seals.append(dataclasses.replace(spec, binding=ticket_binding(ticket)))
-        self._direct_held[rid] = num_blocks
-        self._turns.append(rid)
-        self.stats.add("kept_turns")
-        if isinstance(name, str):
-            self.named_turns[name] = ticket
-        return True, msgspec.to_builtins(ticket)
-
-    def _ticket(self, request: Request, spec: SaveSpec, turn: bool = False) -> RemotePrefill:
+    def ticket(self, request: Request, spec: SaveSpec, turn: bool = False) -> RemotePrefill:
         """The ticket for ``spec``'s KV (vLLM hands it back as ``kv_transfer_params``); a
         kept ``turn``'s with its `block_chain`."""
         # A kept turn's tokens run on into the answer's; prompt embeddings have none.
