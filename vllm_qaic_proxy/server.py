@@ -121,34 +121,9 @@ class Proxy:
         alone = apis.answers_alone(body, api)
         try:
             if alone is None:
-                started = time.monotonic()
-                to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
-                if first_from_prefill:  # its token ids, and what else the answer shows of it
-                    asked = {k: body[k] for k in first_token.MERGED if k in body}
-                    to_prefill.update(asked, return_token_ids=True)
-                # The conversation's KV so far, where a decode kept it (`turns`).
-                if turn := self.turns.take(api, body, client):
-                    to_prefill["kv_transfer_params"]["earlier_turns"] = turn
-                try:
-                    prefilled = await self.legs.failover(
-                        self.router.prefills,
-                        prefill_url,
-                        lambda url: self.legs.prefill(url + request.path, to_prefill, auth),
-                    )
-                except LegError as exc:
-                    # No prefill served it (all down, or failing): the decode computes the
-                    # prompt itself, slower but answered, as llm-d's sidecar falls back. A
-                    # prefill's refusal (4xx) is of the prefill leg (one token, n = 1, not
-                    # streamed): the decode answers the request as vLLM alone would (a 400
-                    # naming another field first; a stream's, an error event).
-                    logger.warning("%s; the decode answers the request itself", exc)
-                    prefilled = {}
-                finally:
-                    if turn:  # loaded by now, or computed: the decode may free it
-                        self.legs.release(turn)
-                # The prefill leg's share of TTFT, for clients to see (W3C Server-Timing).
-                took_ms = (time.monotonic() - started) * 1e3
-                timing = {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
+                prefilled, timing = await self._prefill_leg(
+                    request, body, api, (prefill_url, decode_url), client, first_from_prefill
+                )
                 params = prefilled.get("kv_transfer_params")
                 if isinstance(params, dict) and params.get("error"):
                     # Not handed off (e.g. staging full): the decode gets the error, and its
@@ -186,6 +161,47 @@ class Proxy:
         finally:
             if not done and isinstance(params, dict):
                 self.legs.release(params)
+
+    async def _prefill_leg(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        api: Api,
+        route: tuple[str, str],
+        client: str,
+        with_token: bool,
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The prefill leg of a request routed to ``route`` (prefill, decode): the prompt with
+        one token and ``do_remote_decode`` (and the conversation's kept turn, where a decode
+        kept it: `turns`); ``with_token``: its token ids, and what else the answer shows of
+        it. Its answer, and its share of TTFT for clients to see (W3C Server-Timing)."""
+        started, (prefill_url, decode_url) = time.monotonic(), route
+        to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
+        if with_token:
+            asked = {k: body[k] for k in first_token.MERGED if k in body}
+            to_prefill.update(asked, return_token_ids=True)
+        if turn := self.turns.take(api, body, client):
+            to_prefill["kv_transfer_params"]["earlier_turns"] = turn
+        auth = credentials(request)
+        try:
+            prefilled = await self.legs.failover(
+                self.router.prefills,
+                prefill_url,
+                lambda url: self.legs.prefill(url + request.path, to_prefill, auth),
+            )
+        except LegError as exc:
+            # No prefill served it (all down, or failing): the decode computes the prompt
+            # itself, slower but answered, as llm-d's sidecar falls back. A prefill's refusal
+            # (4xx) is of the prefill leg (one token, n = 1, not streamed): the decode answers
+            # the request as vLLM alone would (another field named first; a stream's, an
+            # error event).
+            logger.warning("%s; the decode answers the request itself", exc)
+            prefilled = {}
+        finally:
+            if turn:  # loaded by now, or computed: the decode may free it
+                self.legs.release(turn)
+        took_ms = (time.monotonic() - started) * 1e3
+        return prefilled, {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
 
     async def _answer(
         self,
