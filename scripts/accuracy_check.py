@@ -19,6 +19,7 @@ import aiohttp
 import requests
 
 from testbed import copy_task
+from testbed.copy_task import token_agreement
 from testbed.llm_d_sidecar import sidecar_completion
 
 
@@ -179,19 +180,6 @@ def same_answer(d: dict, a: dict) -> bool:
     """The same token ids (every server here returns them) and the same text."""
     ids = d.get("token_ids")
     return ids is not None and ids == a.get("token_ids") and d.get("text") == a.get("text")
-
-
-def token_agreement(disagg: list[dict], agg: list[dict]) -> tuple[float, int]:
-    """The share of the reference's tokens the disaggregated answers match, each answer
-    counted up to where it first parts from its reference (everything after counts as
-    different), and the reference's token count."""
-    same = total = 0
-    for d, a in zip(disagg, agg, strict=False):
-        ref, got = a.get("token_ids") or [], d.get("token_ids") or []
-        total += len(ref)
-        pairs = enumerate(zip(ref, got, strict=False))
-        same += next((i for i, (x, y) in pairs if x != y), min(len(ref), len(got)))
-    return 100.0 * same / max(total, 1), total
 
 
 def lone_failures(lone: list[dict], agg: list[dict], first_max_s: float = 10.0) -> list[str]:

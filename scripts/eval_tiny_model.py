@@ -12,35 +12,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from testbed import copy_task as ct
+from testbed.shipped_model import greedy_answer
 
 
 @torch.no_grad()
-def greedy_answer(
-    model: PreTrainedModel, prompt_ids: list[int], eos_id: int, zero_kv: bool
-) -> list[int]:
-    # Prefill all but the last prompt token, optionally wipe that cache, then
-    # decode starting from the last prompt token (same path in both modes).
-    prefix = torch.tensor([prompt_ids[:-1]])
-    cache = model(input_ids=prefix, use_cache=True).past_key_values
-    if zero_kv:
-        for layer in cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-    nxt = prompt_ids[-1]
-    out: list[int] = []
-    for _ in range(ct.answer_max_tokens()):
-        res = model(input_ids=torch.tensor([[nxt]]), past_key_values=cache, use_cache=True)
-        cache = res.past_key_values
-        nxt = int(res.logits[0, -1].argmax())
-        if nxt == eos_id:
-            break
-        out.append(nxt)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="models/tiny-copy")

@@ -81,3 +81,16 @@ def is_correct(completion_text: str, answer_text: str) -> bool:
 def answer_max_tokens() -> int:
     """Enough tokens for the longest answer (16 symbols + ``]`` + ``<eos>``)."""
     return 20
+
+
+def token_agreement(disagg: list[dict], agg: list[dict]) -> tuple[float, int]:
+    """The share of the reference's tokens the disaggregated answers match, each answer
+    counted up to where it first parts from its reference (everything after counts as
+    different), and the reference's token count."""
+    same = total = 0
+    for d, a in zip(disagg, agg, strict=False):
+        ref, got = a.get("token_ids") or [], d.get("token_ids") or []
+        total += len(ref)
+        pairs = enumerate(zip(ref, got, strict=False))
+        same += next((i for i, (x, y) in pairs if x != y), min(len(ref), len(got)))
+    return 100.0 * same / max(total, 1), total

@@ -75,7 +75,7 @@ def vllm_alone(model: Path, prompts: int, workdir: Path) -> tuple[float, int]:
             answers.append(json.loads(out.read_text()))
     finally:
         server.stop()
-    from scripts.accuracy_check import token_agreement
+    from testbed.copy_task import token_agreement
 
     return token_agreement(answers[1], answers[0])
 

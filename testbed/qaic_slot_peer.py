@@ -28,11 +28,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from emulator.qaic_emulator import build_manifest
-from scripts.eval_tiny_model import greedy_answer
 from testbed import copy_task
 from testbed.nixl_peer import decode as decode_endpoint
 from testbed.nixl_peer import encode as encode_endpoint
-from testbed.shipped_model import MODEL_DIR, TINY
+from testbed.shipped_model import MODEL_DIR, TINY, greedy_answer
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import copy_layers
 from vllm_qaic_connector.layout import KVGeometry

@@ -17,10 +17,9 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from emulator.qaic_emulator import DECOY, Emulator, EmulatorConfig
-from scripts.eval_tiny_model import greedy_answer
 from testbed import copy_task
 from testbed.live_servers import random_model
-from testbed.shipped_model import MODEL_DIR, TINY
+from testbed.shipped_model import MODEL_DIR, TINY, greedy_answer
 from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import copy_layers
