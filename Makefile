@@ -70,3 +70,9 @@ compare: setup
 compare-turns: setup
 	$(PY) -m testbed.conversations --scaled --compare --json compare_turns.json --plot compare_turns.png
 	$(PY) -m testbed.conversations --scaled --compare --no-prefix-caching --plot compare_turns_no_cache.png
+
+# Issue #71: goodput at TTFT and TPOT targets over a Poisson rate sweep, on the same two
+# cores: 1P1D behind the proxy and behind vllm-router, two replicas, one two-core engine.
+.PHONY: goodput
+goodput: setup
+	$(PY) -m benchmarks.goodput --json runs/goodput.json --plot runs/goodput.png
