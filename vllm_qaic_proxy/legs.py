@@ -43,6 +43,7 @@ CONNECT_TIMEOUT_S = 10.0
 # What a relayed route passes on of the client's request and of the decode's answer.
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 RELAYED_HEADERS = ("Content-Type", "Accept")  # and `credentials`
+LEG_HEADERS = web.RequestKey("leg_headers", dict[str, str])  # `credentials`, once a request
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
 BACKEND_KEEPALIVE_S = 4.0
@@ -349,12 +350,13 @@ def credentials(request: web.Request) -> dict[str, str]:
     both legs' logs name the client's id, as behind llm-d's sidecar). The id gets a suffix
     of this request's own, as vLLM's randomization adds: an engine run without it
     (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION) never sees a client's repeated id twice."""
-    if "legs_headers" not in request:
+    if LEG_HEADERS not in request:
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         if "X-Request-Id" in headers:
             headers["X-Request-Id"] += f"-{secrets.token_hex(4)}"
-        request["legs_headers"] = headers
-    return dict(request["legs_headers"])
+        request[LEG_HEADERS] = headers
+    kept: dict[str, str] = request[LEG_HEADERS]
+    return dict(kept)
 
 
 def response_of(out: Sink) -> web.StreamResponse:
