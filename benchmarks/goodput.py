@@ -122,26 +122,32 @@ def make_requests(n: int, mix: list[tuple[int, int]], seed: str) -> list[tuple[s
 
 @dataclass
 class Sample:
+    """One streamed answer. vLLM merges the tokens of a stream whose client has not yet read
+    the last ones into one chunk, so a chunk may hold several tokens: each token is a word
+    here, and each gets its chunk's arrival time (``tokens``)."""
+
     sent: float  # monotonic seconds
     times: list[float] = field(default_factory=list)  # each chunk with text, monotonic
+    tokens: list[float] = field(default_factory=list)  # each token's chunk's time
     text: str = ""
     error: str = ""
 
     @property
     def ttft(self) -> float:
-        return self.times[0] - self.sent if self.times else math.nan
+        return self.tokens[0] - self.sent if self.tokens else math.nan
 
     @property
     def gap12(self) -> float:
-        return self.times[1] - self.times[0] if len(self.times) > 1 else math.nan
+        return self.tokens[1] - self.tokens[0] if len(self.tokens) > 1 else math.nan
 
     @property
     def tpot(self) -> float:
-        n = len(self.times)
-        return (self.times[-1] - self.times[0]) / (n - 1) if n > 1 else math.nan
+        n = len(self.tokens)
+        return (self.tokens[-1] - self.tokens[0]) / (n - 1) if n > 1 else math.nan
 
     @property
     def itls(self) -> list[float]:
+        """Between chunks, as `vllm bench serve` counts them."""
         return [b - a for a, b in itertools.pairwise(self.times)]
 
     @property
@@ -171,11 +177,12 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: str, max_toke
                         if choice.get("text"):
                             s.times.append(time.monotonic())
                             parts.append(choice["text"])
+                            s.tokens += [s.times[-1]] * len(choice["text"].split())
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         s.error = f"{type(exc).__name__}: {exc}"
     s.text = "".join(parts)
-    if not s.error and len(s.times) != max_tokens:
-        s.error = f"{len(s.times)} tokens streamed, {max_tokens} asked"
+    if not s.error and len(s.tokens) != max_tokens:
+        s.error = f"{len(s.tokens)} tokens streamed, {max_tokens} asked"
     return s
 
 
@@ -199,9 +206,15 @@ async def one_at_a_time(url: str, reqs: list[tuple[str, int]]) -> list[Sample]:
         return [await stream(session, url, *r) for r in reqs]
 
 
-def poisson_starts(n: int, rate: float, seed: str) -> list[float]:
-    rng = random.Random(f"goodput-arrivals-{seed}")
-    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
+def poisson_starts(n: int, rate: float) -> list[float]:
+    """Send times of ``n`` Poisson arrivals at ``rate``, the first at once: one seeded draw of
+    exponential gaps, rescaled so that their mean is exactly 1 / ``rate``. Every rate gets the
+    same shape, so a few dozen requests cannot make a higher rate arrive slower than a lower
+    one."""
+    rng = random.Random("goodput-arrivals")
+    gaps = [rng.expovariate(1.0) for _ in range(n - 1)]
+    scale = (n - 1) / rate / sum(gaps) if gaps else 0.0
+    return [0.0, *itertools.accumulate(g * scale for g in gaps)]
 
 
 # --- statistics ------------------------------------------------------------------------------
@@ -502,6 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         low_order = [REFERENCE, *(c for c in order if c != REFERENCE)]
         for config in low_order:
             unloaded[config] = asyncio.run(one_at_a_time(bed.urls[config], low))
+            for s in unloaded[config]:
+                if s.error:
+                    log(f"{config} low load: {s.error}")
             ref = [s.text for s in unloaded[REFERENCE]]
             row = summarize(config, 0.0, unloaded[config], ref, {}, math.nan)
             rows.append(row)
@@ -523,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         # 2. the sweep
         for k, rate in enumerate(args.rates):
             reqs = make_requests(args.requests, args.mix, f"rate-{rate}")
-            starts = poisson_starts(args.requests, rate, str(rate))
+            starts = poisson_starts(args.requests, rate)
             answers: dict[str, list[str]] = {}
             at_rate: list[Row] = []
             for config in order if k % 2 == 0 else order[::-1]:
@@ -540,9 +556,11 @@ def main(argv: list[str] | None = None) -> int:
                         log(f"{config} at {rate}/s: {s.error}")
                 at_rate.append(summarize(config, rate, samples, None, targets, idle_cpu))
                 at_rate[-1].foreign_cpu_s = round(foreign, 1)
-                raw.extend(dict(config=config, rate=rate, ttft_ms=s.ttft * 1e3,
+                first = min(s.sent for s in samples)
+                raw.extend(dict(config=config, rate=rate, sent_s=s.sent - first,
+                                end_s=s.end - first, ttft_ms=s.ttft * 1e3,
                                 tpot_ms=s.tpot * 1e3, gap12_ms=s.gap12 * 1e3,
-                                tokens=len(s.times), error=s.error)
+                                tokens=len(s.tokens), chunks=len(s.times), error=s.error)
                            for s in samples)  # fmt: skip
                 r = at_rate[-1]
                 log(f"{config} at {rate}/s: goodput {r.goodput:.3f}/s ({r.attainment:.0%} "
@@ -559,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"left things behind: {run.report.problems()}")
     report(rows, targets, order, args)
     meta = {
-        "command": " ".join(shlex.quote(a) for a in (sys.argv if argv is None else argv)),
+        "command": shlex.join(["python", "-m", "benchmarks.goodput", *(argv or sys.argv[1:])]),
         "host": host_kind(), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "mix": args.mix, "rates": args.rates, "requests_per_rate": args.requests,
         "targets": targets, "minutes": round((time.monotonic() - started) / 60, 1),
