@@ -527,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         # The best unloaded aggregated figures on these cores: the 1-engine's or one
         # replica's (a lone request on one core), whichever is lower.
         agg = [r for r in rows if r.config in (REFERENCE, "2-replicas")]
-        base_ttft = min(r.ttft_p95_ms for r in agg)
-        base_tpot = min(r.tpot_p50_ms for r in agg)
+        base_ttft = min((r.ttft_p95_ms for r in agg if r.ttft_p95_ms > 0), default=math.nan)
+        base_tpot = min((r.tpot_p50_ms for r in agg if r.tpot_p50_ms > 0), default=math.nan)
         targets["ttft_ms"] = args.ttft_ms or round(args.ttft_factor * base_ttft, 1)
         targets["tpot_ms"] = args.tpot_ms or round(args.tpot_factor * base_tpot, 2)
         targets["strict_tpot_ms"] = round(args.strict_tpot_factor * base_tpot, 2)
