@@ -42,7 +42,7 @@ from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.protocol.wire import TransportEndpoint
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
-from vllm_qaic_connector.tickets import HEADER_BYTES, seal
+from vllm_qaic_connector.region_headers import HEADER_BYTES, seal
 from vllm_qaic_connector.transports.nixl import NixlTransport
 
 SIZES = [64 << 10, 1 << 20, 64 << 20, 256 << 20]

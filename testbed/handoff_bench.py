@@ -45,7 +45,7 @@ from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget
-from vllm_qaic_connector.tickets import (
+from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     RegionHeaders,
     checked_read,

@@ -37,7 +37,7 @@ from vllm_qaic_connector.kv.token_copies import copy_layers
 from vllm_qaic_connector.layout import KVGeometry
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import SlotTarget
-from vllm_qaic_connector.tickets import (
+from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     RegionHeaders,
     StaleTicket,

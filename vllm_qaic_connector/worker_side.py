@@ -22,9 +22,9 @@ from vllm_qaic_connector.layout import KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import RankMetadata, ReleaseRequest, parse_ack
+from vllm_qaic_connector.region_headers import RegionHeaders, new_incarnation
 from vllm_qaic_connector.stats import PER_PEER_PREFIX, QAICConnectorStats
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
-from vllm_qaic_connector.tickets import RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import KVTransport, create_transport, staging_name
 from vllm_qaic_connector.transports.shared_cache import host_identity
 from vllm_qaic_connector.worker.direct_reads import DirectReader, dense_blocks

@@ -20,8 +20,8 @@ from testbed.worker_processes import (
 )
 from vllm_qaic_connector.kv.device_copies import DeviceCopies
 from vllm_qaic_connector.kv.token_copies import gather_tokens
+from vllm_qaic_connector.region_headers import HEADER_BYTES
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES
 from vllm_qaic_connector.worker import request_saves
 
 pytestmark = [

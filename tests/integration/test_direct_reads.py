@@ -28,7 +28,7 @@ from vllm_qaic_connector.protocol.wire import (
     TransportEndpoint,
     direct_problem,
 )
-from vllm_qaic_connector.tickets import new_incarnation
+from vllm_qaic_connector.region_headers import new_incarnation
 from vllm_qaic_connector.transports import staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 from vllm_qaic_connector.transports.shared_cache import host_identity

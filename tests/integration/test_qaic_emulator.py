@@ -42,7 +42,7 @@ from vllm_qaic_connector.protocol.wire import (
     prompt_hash,
     ticket_binding,
 )
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders, new_incarnation
+from vllm_qaic_connector.region_headers import HEADER_BYTES, RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 

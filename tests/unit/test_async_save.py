@@ -13,12 +13,11 @@ import pytest
 import torch
 
 from testbed.worker_processes import make_worker
-from vllm_qaic_connector import tickets
+from vllm_qaic_connector import region_headers
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
-from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.tickets import (
+from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     RegionHeaders,
     StaleTicket,
@@ -26,6 +25,7 @@ from vllm_qaic_connector.tickets import (
     header_generation,
     promised_generation,
 )
+from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
 from vllm_qaic_connector.transports.shm import ShmTransport
 
 PAGE = 4096
@@ -77,7 +77,7 @@ def read_header_only(owner, reader) -> None:
 
 def test_a_promise_never_kept_fails_after_the_bound(pair, monkeypatch):
     owner, reader, headers = pair
-    monkeypatch.setattr(tickets, "SEAL_WAIT_S", 0.2)
+    monkeypatch.setattr(region_headers, "SEAL_WAIT_S", 0.2)
     headers.promise(0, GEN)
     with pytest.raises(StaleTicket, match="was not written within"):
         read_header_only(owner, reader)
@@ -85,7 +85,7 @@ def test_a_promise_never_kept_fails_after_the_bound(pair, monkeypatch):
 
 def test_a_promise_for_another_generation_or_abandoned_fails_at_once(pair, monkeypatch):
     owner, reader, headers = pair
-    monkeypatch.setattr(tickets, "SEAL_WAIT_S", 60.0)
+    monkeypatch.setattr(region_headers, "SEAL_WAIT_S", 60.0)
     t0 = time.monotonic()
     headers.promise(0, GEN + 1)
     with pytest.raises(StaleTicket, match="no live KV"):

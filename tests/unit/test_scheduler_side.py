@@ -28,7 +28,7 @@ from vllm_qaic_connector.protocol.wire import (
     ReleaseRequest,
     prompt_hash,
 )
-from vllm_qaic_connector.tickets import HEADER_BYTES
+from vllm_qaic_connector.region_headers import HEADER_BYTES
 
 
 @pytest.fixture

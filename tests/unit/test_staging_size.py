@@ -18,8 +18,8 @@ from vllm_qaic_connector.config import (
 )
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.layout import KVGeometry
+from vllm_qaic_connector.region_headers import HEADER_BYTES
 from vllm_qaic_connector.scheduler.staging import StagingPool
-from vllm_qaic_connector.tickets import HEADER_BYTES
 
 LAYERS, HEADS, HEAD, BF16 = 32, 8, 128, torch.bfloat16  # Llama-3-8B's KV: 128 KiB a token
 PER_TOKEN = 2 * LAYERS * HEADS * HEAD * BF16.itemsize

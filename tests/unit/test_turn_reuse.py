@@ -42,7 +42,7 @@ from vllm_qaic_connector.protocol.wire import (
     prompt_hash,
     ticket_binding,
 )
-from vllm_qaic_connector.tickets import (
+from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     StaleTicket,
     checked_read,

@@ -43,7 +43,7 @@ ENDPOINT_KINDS = ("shm", "nixl")
 _KNOWN = {"layout_kind": LAYOUT_KINDS, "dtype": KV_DTYPES, "endpoint.kind": ENDPOINT_KINDS}
 # Both go into segment and agent names: no "/", no NUL, bounded; vLLM's default is a uuid4.
 ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-INCARNATION = re.compile(r"[0-9a-f]{16}")  # tickets.new_incarnation()
+INCARNATION = re.compile(r"[0-9a-f]{16}")  # region_headers.new_incarnation()
 
 
 def _name_problem(i: int, r: RankMetadata) -> str | None:

@@ -215,7 +215,7 @@ def direct_problem(prefill: RankMetadata, decode: RankMetadata, prefill_tp: int)
 
 class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     """``kv_transfer_params`` of a decode request: where its prompt KV is staged, and the
-    ticket that proves it still is (see tickets.py)."""
+    ticket that proves it still is (see region_headers.py)."""
 
     do_remote_prefill: bool
     remote_engine_id: str

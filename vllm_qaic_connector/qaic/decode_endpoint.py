@@ -30,7 +30,7 @@ from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import Manifest, SlotTarget, torch_dtype
-from vllm_qaic_connector.tickets import checked_read, new_incarnation
+from vllm_qaic_connector.region_headers import checked_read, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name
 from vllm_qaic_connector.transports.nixl import NixlTransport
 

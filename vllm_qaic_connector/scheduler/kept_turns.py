@@ -14,10 +14,10 @@ import msgspec
 
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.protocol.wire import RemotePrefill, ticket_binding
+from vllm_qaic_connector.region_headers import HEADER_BYTES, generations
 from vllm_qaic_connector.scheduler.decode_loads import tokens_alone
 from vllm_qaic_connector.scheduler.prefill_handoffs import FINISHED, PrefillHandoffs
 from vllm_qaic_connector.step_metadata import SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, generations
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request

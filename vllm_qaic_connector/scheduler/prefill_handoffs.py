@@ -35,11 +35,11 @@ from vllm_qaic_connector.protocol.wire import (
     ticket_binding,
     ticket_mac,
 )
+from vllm_qaic_connector.region_headers import HEADER_BYTES, generations
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, generations
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheManager

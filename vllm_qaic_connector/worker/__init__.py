@@ -4,5 +4,5 @@ saves each request's KV into staging in the decode's layout, loads a ticket's KV
 copy or direct read), and acknowledges it.
 
 It may import `kv`, `transports`, `protocol`, `qaic`, `config`, `stats`, `step_metadata`,
-`tickets` and vLLM; never the scheduler half.
+`region_headers` and vLLM; never the scheduler half.
 """

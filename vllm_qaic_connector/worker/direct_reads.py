@@ -7,7 +7,7 @@ into shared memory (torch swaps the storage under every view of it, so vLLM's ke
 into shared memory from then on); over NIXL it registers it with its agent.
 A handed-off request's blocks stay held until the decode acknowledges or the lease ends.
 Its ticket is a header-only staging region, which the prefill invalidates before vLLM may
-reuse the blocks; the decode checks it before and after its copy (`tickets.checked_read`),
+reuse the blocks; the decode checks it before and after its copy (`region_headers.checked_read`),
 so a late copy is a load error, never wrong KV.
 """
 

@@ -21,8 +21,8 @@ from vllm_qaic_connector.protocol.wire import (
     direct_problem,
     ticket_binding,
 )
+from vllm_qaic_connector.region_headers import StaleTicket, checked_read
 from vllm_qaic_connector.step_metadata import LoadSpec
-from vllm_qaic_connector.tickets import StaleTicket, checked_read
 from vllm_qaic_connector.transports import KVTransport
 from vllm_qaic_connector.worker.direct_reads import (
     DirectReader,

@@ -16,9 +16,9 @@ from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.token_copies import layer_runs, tokens_bytes
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.region_headers import HEADER_BYTES, RegionHeaders
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata, SaveSpec
-from vllm_qaic_connector.tickets import HEADER_BYTES, RegionHeaders
 from vllm_qaic_connector.worker.registration import LocalCache
 
 logger = get_logger(__name__)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from vllm_qaic_connector.tickets import (
+from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     RegionHeaders,
     StaleTicket,
