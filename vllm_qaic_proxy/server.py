@@ -115,13 +115,14 @@ class Proxy:
         wanted = self._first_from_prefill and api.first_token_from_prefill
         first_from_prefill = wanted and first_token.eligible(body)
         params: dict[str, Any] | None = None
+        refusal: LegError | None = None  # the prefill's 4xx
         first: FirstToken | None = None
         timing: dict[str, str] = {}
         done = False
         alone = apis.answers_alone(body, api)
         try:
             if alone is None:
-                prefilled, timing = await self._prefill_leg(
+                prefilled, timing, refusal = await self._prefill_leg(
                     request, body, api, (prefill_url, decode_url), client, first_from_prefill
                 )
                 params = prefilled.get("kv_transfer_params")
@@ -157,7 +158,9 @@ class Proxy:
                 )
             return response
         except LegError as exc:
-            return exc.response()
+            # A decode that cannot answer the request itself (a QAIC decode does not
+            # prefill) leaves the prefill's refusal as the client's answer.
+            return (refusal if refusal and exc.body is None else exc).response()
         finally:
             if not done and isinstance(params, dict):
                 self.legs.release(params)
@@ -170,11 +173,12 @@ class Proxy:
         route: tuple[str, str],
         client: str,
         with_token: bool,
-    ) -> tuple[dict[str, Any], dict[str, str]]:
+    ) -> tuple[dict[str, Any], dict[str, str], LegError | None]:
         """The prefill leg of a request routed to ``route`` (prefill, decode): the prompt with
         one token and ``do_remote_decode`` (and the conversation's kept turn, where a decode
         kept it: `turns`); ``with_token``: its token ids, and what else the answer shows of
-        it. Its answer, and its share of TTFT for clients to see (W3C Server-Timing)."""
+        it. Its answer, its share of TTFT for clients to see (W3C Server-Timing), and its
+        refusal (4xx), if it refused."""
         started, (prefill_url, decode_url) = time.monotonic(), route
         to_prefill = api.prefill_body(body, self._decode_kv[decode_url])
         if with_token:
@@ -182,7 +186,7 @@ class Proxy:
             to_prefill.update(asked, return_token_ids=True)
         if turn := self.turns.take(api, body, client):
             to_prefill["kv_transfer_params"]["earlier_turns"] = turn
-        auth = credentials(request)
+        auth, refusal = credentials(request), None
         try:
             prefilled = await self.legs.failover(
                 self.router.prefills,
@@ -196,12 +200,12 @@ class Proxy:
             # the request as vLLM alone would (another field named first; a stream's, an
             # error event).
             logger.warning("%s; the decode answers the request itself", exc)
-            prefilled = {}
+            prefilled, refusal = {}, exc if exc.body is not None else None
         finally:
             if turn:  # loaded by now, or computed: the decode may free it
                 self.legs.release(turn)
         took_ms = (time.monotonic() - started) * 1e3
-        return prefilled, {"Server-Timing": f"prefill;dur={took_ms:.1f}"}
+        return prefilled, {"Server-Timing": f"prefill;dur={took_ms:.1f}"}, refusal
 
     async def _answer(
         self,

@@ -1022,6 +1022,18 @@ async def test_a_streamed_list_whose_prompts_all_fail_is_their_error(
     assert len(decode.requests) == 2
 
 
+async def test_a_refusal_the_decode_cannot_answer_itself_is_the_prefill_s(
+    prefill: Prefill, decode: Decode
+) -> None:
+    """A decode that does not prefill (a QAIC decode answers 503 without a ticket) or
+    breaks leaves the client the prefill's refusal, not a 502 naming the decode."""
+    prefill.answer, decode.answer = "reject", "text"
+    async with proxy([prefill.url], [decode.url]) as client:
+        resp = await client.post("/v1/completions", json=PROMPT)
+        assert resp.status == 400 and await resp.json() == Prefill.REJECTION
+    assert len(decode.requests) == 1
+
+
 async def test_a_stream_refused_by_the_prefill_is_answered_by_the_decode(
     prefill: Prefill, decode: Decode
 ) -> None:
