@@ -480,7 +480,7 @@ def test_a_ticket_refused_at_claim_is_neither_renewed_nor_released():
         out, _ = step(decode)
         (load,) = meta(out).loads
         assert "another prompt" in load.error
-        assert decode.connector.scheduler.loads.renewer.holds_until("replay") == 0.0
+        assert decode.connector.scheduler.receiver.renewer.holds_until("replay") == 0.0
         decode.finish_requests("replay", RequestStatus.FINISHED_ABORTED)
         step(decode, KVConnectorOutput(finished_recving={"replay"}))
         time.sleep(0.5)  # a release would go out on a thread of its own
@@ -569,7 +569,7 @@ def test_leases_renewed_while_the_decode_wants_the_kv(decode):
         side.pool.expire()
         assert side.pool.has("p1"), "the lease ran out while the decode still wanted it"
         # The decode knows the renewals took: the lease holds past the ticket's expiry.
-        renewed_until = decode.connector.scheduler.loads.renewer.holds_until("d1")
+        renewed_until = decode.connector.scheduler.receiver.renewer.holds_until("d1")
         assert renewed_until > params["expires_at"] + 1.0
         step(decode, KVConnectorOutput(finished_recving={"d1"}))  # loaded: renewals stop
         time.sleep(1.5)
@@ -717,7 +717,7 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
     from vllm_qaic_connector.config import parse_config
     from vllm_qaic_connector.protocol.side_channel import SideChannelServer
     from vllm_qaic_connector.protocol.wire import Message, Ok
-    from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
+    from vllm_qaic_connector.scheduler.kv_receiver import KVReceiver
 
     released: list[str] = []
 
@@ -727,7 +727,7 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
         return Ok()
 
     server = SideChannelServer("127.0.0.1", 0, handle, None)
-    loads = DecodeLoads(parse_config({}), ())
+    loads = KVReceiver(parse_config({}), ())
     try:
         req = make_request("w1", 45, remote_params(45, port=server.port))
         assert loads.claim(req, 0) == (45, True)  # verified: renewed while it waits

@@ -1,6 +1,7 @@
-"""A decode's loads, scheduler side: a request's ``kv_transfer_params`` checked, its prompt
-tokens claimed (loaded asynchronously, beside the engine's steps), its blocks handed to the
-worker as a `LoadSpec`, its lease renewed while it waits."""
+"""What arrives at this engine, in the scheduler (SGLang's ``KVReceiver``): a decode's
+loads, and a prefill's load of a conversation's earlier turn. A request's ticket checked,
+its prompt tokens claimed (loaded asynchronously, beside the engine's steps), its blocks
+handed to the worker as a `LoadSpec`, its lease renewed while it waits."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def tokens_alone(request: Request) -> bool:
     return request.prompt_token_ids is not None and not request.mm_features
 
 
-class DecodeLoads:
+class KVReceiver:
     def __init__(
         self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], prefix_caching: bool = True
     ) -> None:

@@ -1,9 +1,9 @@
-"""A prefill engine's requests on their way to decodes, in the scheduler: the decode's
-format learnt by handshake, staging reserved before the prompt runs, a save per computed
-chunk, and the ticket when the request finishes (its staging is freed by
-`staging_releases`); a direct handoff's blocks held until its ticket is gone. A decode's
-kept turn (`kept_turns`) leaves the same way. Logical only: no tensors, layouts or
-transports."""
+"""What leaves this engine, in the scheduler (SGLang's ``KVSender``): a prefill's requests
+on their way to decodes (the decode's format learnt by handshake, staging reserved before
+the prompt runs, a save per computed chunk, the ticket when the request finishes; its
+staging is freed by `staging_releases`), and the blocks held for readers: a direct
+handoff's until its ticket is gone, and those of a decode's `kept_turns`, which leave the
+same way. Logical only: no tensors, layouts or transports."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class _Outgoing:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillEngine:
+class LocalEngine:
     """The facts about this prefill engine that a handoff needs."""
 
     engine_id: str
@@ -107,11 +107,11 @@ def answer_cap(model_config: Any) -> int | None:
     return override.get("max_new_tokens")
 
 
-class PrefillHandoffs:
+class KVSender:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        engine: PrefillEngine,
+        engine: LocalEngine,
         releases: StagingReleases,
         peers: PeerDirectory,
     ) -> None:
