@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV, Tiling
+from vllm_qaic_connector.cpu_packing import CPU_PACKINGS, PackedKV, Tiling
 from vllm_qaic_connector.protocol.wire import LAYOUT_ALIASES, LAYOUT_KINDS
 
 
