@@ -27,14 +27,13 @@ from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
 from vllm_qaic_connector.layout import KVGeometry, VllmPagedLayout, blocks_for_tokens, get_layout
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.ticket import RemotePrefill, ticket_binding
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
     Ok,
     ReleaseRequest,
-    RemotePrefill,
-    ticket_binding,
 )
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec

@@ -12,6 +12,7 @@ from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.kv.kv_groups import attention_geometry, groups_of, has_state
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.routed_params import NOT_ROUTED, RoutedParams, routed_params
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.protocol.wire import (
     ErrorReply,
@@ -77,6 +78,7 @@ class SchedulerSide:
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step
+        self._routed: dict[str, RoutedParams] = {}  # decoded on arrival, dropped at the end
         self.receiver = KVReceiver(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
@@ -136,19 +138,32 @@ class SchedulerSide:
             return TurnReply(ticket)
         return ErrorReply(f"unexpected message {type(msg).__name__}")
 
+    def _routed_of(self, request: Request) -> RoutedParams:
+        """The request's ``kv_transfer_params``, decoded once (where vLLM hands it over), the
+        malformed refused by name: a prefill returns the refusal as its error, a decode fails
+        the load with it, for kv_load_failure_policy."""
+        if (routed := self._routed.get(request.request_id)) is None:
+            raw = request.kv_transfer_params
+            try:
+                routed = routed_params(raw)
+            except ValueError as exc:
+                logger.error("QAICConnector: request %s: %s", request.request_id, exc)
+                to_prefill = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
+                routed = RoutedParams(do_remote_decode=to_prefill, error=str(exc))
+            self._routed[request.request_id] = routed
+        return routed
+
     def on_new_request(self, request: Request) -> None:
         """A decode renews a ticket's lease from the request's arrival. A prefill for a
         model with Mamba layers stops one token short: the decode needs the state before
         the last prompt token, and recomputes that token from it."""
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        routed = self._routed_of(request)
+        if routed.do_remote_prefill:
             self.receiver.arrived(request)
-        if not (self.is_producer and has_state(self.groups) and params):
+        if not (self.is_producer and routed.do_remote_decode and has_state(self.groups)):
             return
-        if params.get("do_remote_decode") and request.num_prompt_tokens > 1:
-            if request.prompt_token_ids is None:  # prompt embeddings: nothing to cut
-                return
-            del request.prompt_token_ids[-1]
+        if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-1]  # (prompt embeddings: nothing to cut)
             del request._all_token_ids[-1]
             request.num_prompt_tokens -= 1
             request.max_tokens = 1
@@ -158,26 +173,27 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and self.is_producer:
-            admitted = self.sender.admit(request, params)
-            turn = params.get("earlier_turns") if self.cfg.reuse_turns else None
-            if admitted[0] is None or not isinstance(turn, dict):
+        routed = self._routed_of(request)
+        if routed.do_remote_decode and self.is_producer:
+            admitted = self.sender.admit(request, routed)
+            turn = routed.earlier_turn if self.cfg.reuse_turns else None
+            if admitted[0] is None or turn is None:
                 return admitted
-            return self.receiver.claim(request, num_computed_tokens, turn)
+            return self.receiver.claim(request, num_computed_tokens, routed, turn)
         # A prefill that could not stage says so in the params; a router passes them on
         # as they are: a failed load, for kv_load_failure_policy, never a silent recompute.
-        if not params or not (params.get("do_remote_prefill") or params.get("error")):
+        if not (routed.do_remote_prefill or routed.error):
             return 0, False
-        return self.receiver.claim(request, num_computed_tokens)
+        return self.receiver.claim(request, num_computed_tokens, routed)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode") and self.is_producer:
+        rid, routed = request.request_id, self._routed.get(request.request_id, NOT_ROUTED)
+        if routed.do_remote_decode and self.is_producer:
             self.sender.will_save(request)
-        self.receiver.allocated(request, blocks, num_external_tokens)
+        if self.receiver.allocated(request, blocks, num_external_tokens):
+            self._routed[rid] = routed.loaded()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self.sender.kv_cache_manager = manager
@@ -211,9 +227,10 @@ class SchedulerSide:
                 self.releases.acknowledge(rid, ack, self._ranks)
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
+        routed = self._routed.pop(request.request_id, NOT_ROUTED)
         loading = self.receiver.finished(request.request_id)
         if self.turns and not loading and not self.sender.outgoing(request.request_id):
-            return self.turns.keep(request)  # a decode's turn, not a prefill's handoff
+            return self.turns.keep(request, routed)  # a decode's turn, not a handoff
         return self.sender.finished(request, loading=loading)
 
     def has_pending_push_work(self) -> bool:

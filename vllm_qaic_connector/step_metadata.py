@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_qaic_connector.protocol.wire import UNBOUND, RemotePrefill
+from vllm_qaic_connector.protocol.ticket import UNBOUND, RemotePrefill
 
 
 @dataclass(frozen=True, kw_only=True)

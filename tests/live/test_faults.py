@@ -63,7 +63,7 @@ from testbed.live_servers import (
 from testbed.llm_d_sidecar import ROUTER_PARAMS, sidecar_completion
 from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import prompt_hash
+from vllm_qaic_connector.protocol.ticket import prompt_hash
 
 T = TypeVar("T")
 LEASE_S = 2.0  # the prefills' staging lease

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
@@ -24,10 +25,9 @@ from testbed.vllm_harness import (
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import (
-    ReleaseRequest,
-    prompt_hash,
-)
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import prompt_hash
+from vllm_qaic_connector.protocol.wire import ReleaseRequest
 from vllm_qaic_connector.region_headers import HEADER_BYTES
 
 
@@ -290,6 +290,35 @@ def test_decode_malformed_params_become_a_load_error(decode):
     out, _ = step(decode)
     (load,) = meta(out).loads
     assert load.remote is None and "staging_offset" in load.error
+
+
+# Every field of the router's params, sent as what no field may hold (and a port the named
+# host cannot have): generated from the struct, so a field added later is tried too.
+MALFORMED = [
+    *((field.name, [1]) for field in msgspec.structs.fields(RoutedParams)),
+    ("decode_port", 0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), MALFORMED, ids=[f for f, _ in MALFORMED])
+def test_malformed_router_params_are_a_named_refusal_on_both_sides(prefill, decode, field, value):
+    """A prefill returns the refusal, naming the field, where its ticket would be; the
+    decode fails the load with it (kv_load_failure_policy decides). Neither stages."""
+    sent = {"do_remote_decode": True, "decode_host": "127.0.0.1", field: value}
+    prefill.add_request(make_request("p1", 40, sent, first=1))
+    returned = None
+    for _ in range(20):
+        _, outputs = step(prefill)
+        if returned := params_of(outputs, "p1"):
+            break
+    assert returned is not None and returned["do_remote_prefill"] is False, returned
+    assert "malformed kv_transfer_params" in returned["error"] and field in returned["error"]
+    assert prefill.connector.scheduler.pool.pages_in_use == 0
+    to_decode = {**remote_params(40), "decode_host": "127.0.0.1", field: value}
+    decode.add_request(make_request("d1", 40, to_decode))
+    out, _ = step(decode)
+    (load,) = meta(out).loads
+    assert load.remote is None and field in load.error, load.error
 
 
 def test_decode_abort_mid_load_holds_blocks_until_worker_reports(decode):
@@ -730,7 +759,8 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
     loads = KVReceiver(parse_config({}), ())
     try:
         req = make_request("w1", 45, remote_params(45, port=server.port))
-        assert loads.claim(req, 0) == (45, True)  # verified: renewed while it waits
+        routed = RoutedParams(do_remote_prefill=True)
+        assert loads.claim(req, 0, routed) == (45, True)  # verified: renewed while it waits
         assert loads.finished("w1") is False  # gone before its load started
         deadline = time.monotonic() + 10
         while not released and time.monotonic() < deadline:

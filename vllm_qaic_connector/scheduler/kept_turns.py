@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from vllm_qaic_connector.layout import blocks_for_tokens
-from vllm_qaic_connector.protocol.wire import RemotePrefill, ticket_binding
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import RemotePrefill, ticket_binding
 from vllm_qaic_connector.region_headers import HEADER_BYTES, generations
 from vllm_qaic_connector.scheduler.kv_receiver import tokens_alone
 from vllm_qaic_connector.scheduler.kv_sender import FINISHED, KVSender
@@ -27,30 +28,29 @@ class KeptTurns:
     def __init__(self, sender: KVSender) -> None:
         self.sender, self.pool = sender, sender.pool
         self._turns: list[str] = []  # kept turns (their blocks in sender.held), oldest first
-        # Tickets by the router's name for them (``keep_turn``), for a stream's router to
+        # Tickets by the router's name for them (``turn_id``), for a stream's router to
         # ask for over the side channel (that thread only reads it).
         self.named: dict[str, RemotePrefill] = {}
         self._seals: list[SaveSpec] = []  # sealed at the next step
         self._generations = generations()
 
-    def keep(self, request: Request) -> tuple[bool, Any]:
+    def keep(self, request: Request, routed: RoutedParams) -> tuple[bool, Any]:
         """`request_finished` for a turn: whether its blocks stay held, and the ticket for
         the prompt and the answer's tokens but the last (whose KV was never computed), which
         the conversation's next prefill loads instead of computing. Kept where the router
-        asked (``keep_turn``: it will carry the ticket back; a name: it asks for the ticket
-        by that name, as a streamed answer carries none); not for an aborted turn, less than
-        a block, KV in more than one full-attention group, without room, where its KV does
-        not follow from its token ids alone (`tokens_alone`), or where its id is still
-        staged (a repeated id, vLLM's randomization off)."""
+        asked (``keep_turn``: it will carry the ticket back; with a ``turn_id`` it may ask
+        for the ticket by that name, as a streamed answer carries none); not for an aborted
+        turn, less than a block, KV in more than one full-attention group, without room,
+        where its KV does not follow from its token ids alone (`tokens_alone`), or where
+        its id is still staged (a repeated id, vLLM's randomization off)."""
         sender, rid = self.sender, request.request_id
         engine = sender.engine
-        name = (request.kv_transfer_params or {}).get("keep_turn")
-        asked = name is True or (isinstance(name, str) and name != "")
         num_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         num_blocks = blocks_for_tokens(num_tokens, engine.geometry.block_size)
         one_group = len(engine.groups) == 1 and not engine.groups[0].window
         room = sum(sender.held.values()) + num_blocks <= sender.held_cap
-        wanted = asked and one_group and room and num_tokens >= engine.geometry.block_size
+        big_enough = num_tokens >= engine.geometry.block_size
+        wanted = routed.keep_turn and one_group and room and big_enough
         if not wanted or not tokens_alone(request) or request.status not in FINISHED:
             return False, None
         if self.pool.has(rid) or (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
@@ -72,8 +72,8 @@ class KeptTurns:
         sender.held[rid] = num_blocks
         self._turns.append(rid)
         sender.stats.add("kept_turns")
-        if isinstance(name, str):
-            self.named[name] = ticket
+        if routed.turn_id:
+            self.named[routed.turn_id] = ticket
         return True, msgspec.to_builtins(ticket)
 
     def take_seals(self) -> list[SaveSpec]:

@@ -5,7 +5,7 @@ handed to the worker as a `LoadSpec`, its lease renewed while it waits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.kv_groups import (
@@ -18,8 +18,10 @@ from vllm_qaic_connector.kv.kv_groups import (
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.leases import LeaseRenewer
-from vllm_qaic_connector.protocol.wire import (
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import (
     RemotePrefill,
+    field_problem,
     parse_remote_prefill,
     shared_tokens,
     ticket_problem,
@@ -68,7 +70,11 @@ class KVReceiver:
             self.renewer.want(request.request_id, remote)
 
     def claim(
-        self, request: Request, num_computed_tokens: int, turn: dict[str, Any] | None = None
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        routed: RoutedParams,
+        turn: RemotePrefill | None = None,
     ) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request, or for
         a prefill given the ticket of the conversation's earlier ``turn`` (``reuse_turns``):
@@ -84,13 +90,17 @@ class KVReceiver:
         remote: RemotePrefill | None = None
         error: str | None = None
         prompt = request.prompt_token_ids or []
-        params = request.kv_transfer_params or {} if turn is None else turn
         try:
             if turn is not None and not tokens_alone(request):
                 raise ValueError("a turn's ticket proves token ids only: not with embeddings")
-            if failed := params.get("error"):
-                raise ValueError(f"the prefill could not hand the KV off: {failed}")
-            parsed = parse_remote_prefill(params)
+            if routed.error and turn is None:
+                raise ValueError(f"nothing to load: {routed.error}")
+            if turn is None:
+                parsed = parse_remote_prefill(request.kv_transfer_params or {})
+            elif malformed := field_problem(turn):
+                raise ValueError(f"malformed earlier_turn: {malformed}")
+            else:
+                parsed = turn
             adapter = adapter_fingerprint(request.lora_request)
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
@@ -132,17 +142,14 @@ class KVReceiver:
         self._matched[request.request_id] = (num_computed_tokens, remote, error)
         return count, True
 
-    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks."""
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
+        """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks. Whether a
+        load goes to the worker (loaded once: a failed load is recomputed, not retried)."""
         matched = self._matched.pop(request.request_id, None)
         if matched is None or num_external_tokens == 0:
             self.tickets.leave(request.request_id, spent=False)
-            return
+            return False
         first_token, remote, error = matched
-        if request.kv_transfer_params:  # load once: a failed load is recomputed, not retried
-            request.kv_transfer_params.update(
-                do_remote_prefill=False, error=None, earlier_turns=None
-            )
         starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
         if remote is not None and error is None:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))
@@ -157,6 +164,7 @@ class KVReceiver:
             starts=starts,
             claimed=first_token + num_external_tokens,
         )
+        return True
 
     def take(self) -> list[LoadSpec]:
         """This step's loads, for the worker."""

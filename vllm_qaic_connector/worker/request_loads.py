@@ -15,12 +15,8 @@ from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
-    ack_message,
-    direct_problem,
-    ticket_binding,
-)
+from vllm_qaic_connector.protocol.ticket import ticket_binding
+from vllm_qaic_connector.protocol.wire import RankMetadata, ack_message, direct_problem
 from vllm_qaic_connector.region_headers import StaleTicket, checked_read
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.transports import KVTransport
