@@ -11,22 +11,10 @@ from typing import TYPE_CHECKING, Any
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.kv.kv_groups import attention_geometry, groups_of, has_state
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol import wire
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.routed_params import NOT_ROUTED, RoutedParams, routed_params
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
-from vllm_qaic_connector.protocol.wire import (
-    ErrorReply,
-    HandshakeRequest,
-    Message,
-    Ok,
-    RankMetadata,
-    ReleaseRequest,
-    Renewed,
-    RenewRequest,
-    TurnReply,
-    TurnRequest,
-    handshake_reply,
-)
 from vllm_qaic_connector.scheduler.kept_turns import KeptTurns
 from vllm_qaic_connector.scheduler.kv_receiver import KVReceiver
 from vllm_qaic_connector.scheduler.kv_sender import (
@@ -76,7 +64,7 @@ class SchedulerSide:
         self.groups = groups_of(kv_cache_config)
         geometry = attention_geometry(kv_cache_config)
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
-        self._ranks: list[RankMetadata] = []
+        self._ranks: list[wire.RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step
         self._routed: dict[str, RoutedParams] = {}  # decoded on arrival, dropped at the end
         self.receiver = KVReceiver(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
@@ -113,30 +101,30 @@ class SchedulerSide:
 
     # --- side channel --------------------------------------------------------------------
 
-    def set_rank_metadata(self, ranks: list[RankMetadata]) -> None:
+    def set_rank_metadata(self, ranks: list[wire.RankMetadata]) -> None:
         self._ranks = sorted(ranks, key=lambda r: r.tp_rank)
         self.sender.ranks = self._ranks
         self.peers.ours = self._ranks[0] if self._ranks else None
 
-    def _handle(self, msg: Message) -> Message:
-        if isinstance(msg, HandshakeRequest):
-            return handshake_reply(msg, self._ranks)
-        if isinstance(msg, ReleaseRequest):
+    def _handle(self, msg: wire.Message) -> wire.Message:
+        if isinstance(msg, wire.HandshakeRequest):
+            return wire.handshake_reply(msg, self._ranks)
+        if isinstance(msg, wire.ReleaseRequest):
             for rid in msg.request_ids:
                 self.releases.acknowledge(rid, msg, self._ranks)
             self.releases.expire()
-            return Ok()
-        if isinstance(msg, RenewRequest):
-            return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
-        if isinstance(msg, TurnRequest):  # a stream's router, for the ticket of its turn
+            return wire.Ok()
+        if isinstance(msg, wire.RenewRequest):
+            return wire.Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
+        if isinstance(msg, wire.TurnRequest):  # a stream's router, for the ticket of its turn
             named = self.turns.named if self.turns else {}
             if (ticket := named.get(msg.turn_id)) is None:
-                return ErrorReply(
+                return wire.ErrorReply(
                     f"no turn kept as {msg.turn_id!r}: never kept (reuse_turns off, aborted, "
                     "under a block, no room) or given up since (released, evicted, expired)"
                 )
-            return TurnReply(ticket)
-        return ErrorReply(f"unexpected message {type(msg).__name__}")
+            return wire.TurnReply(ticket)
+        return wire.ErrorReply(f"unexpected message {type(msg).__name__}")
 
     def _routed_of(self, request: Request) -> RoutedParams:
         """The request's ``kv_transfer_params``, decoded once (where vLLM hands it over), the
@@ -219,7 +207,7 @@ class SchedulerSide:
         )
 
     def update_connector_output(
-        self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
+        self, finished_recving: set[str] | None, acks: list[wire.ReleaseRequest]
     ) -> None:
         self.receiver.received(finished_recving or set())
         for ack in acks:  # acknowledgements that came with NIXL reads
