@@ -172,22 +172,21 @@ class WorkerSide:
             self.saves.finish(metadata.preempted)
 
     def start_load_kv(self) -> None:
-        self._started, in_step = [], []
+        self._started = []
         if self._metadata is None or self._loader is None:
             return
         for spec in self._metadata.loads:
-            if spec.remote is None or spec.error is not None:
-                key = self._loader.submit(spec)  # fails at once
-            else:
-                peer = (spec.remote.remote_host, spec.remote.remote_port)
-                self.peers.poll(*peer)  # starts the handshake, or retries a failed one
-                ready = functools.partial(self._peer_resolved, *peer)
-                key = self._loader.submit(spec, peer, ready)
-            (in_step if spec.in_step else self._started).append(key)
             if spec.in_step:
                 self._in_step.add(spec.request_id)
-        # Up to its deadline; one past it is reported failed, its blocks load errors.
-        self._loader.wait(in_step, self._loader.timeout_s)
+            if spec.remote is None or spec.error is not None:
+                self._started.append(self._loader.submit(spec))  # fails at once
+                continue
+            peer = (spec.remote.remote_host, spec.remote.remote_port)
+            self.peers.poll(*peer)  # starts the handshake, or retries one that failed a while ago
+            ready = functools.partial(self._peer_resolved, *peer)
+            self._started.append(self._loader.submit(spec, peer, ready))
+        if self._in_step:  # the forward pass reads them next: up to their deadline (then failed)
+            self._loader.wait(self._started, self._loader.timeout_s)
 
     def _peer_resolved(self, host: str, port: int) -> bool:
         # retry=False: a busy loader that looks late must not start the handshake over.
@@ -210,10 +209,9 @@ class WorkerSide:
         self._started = []
         done: set[str] = set()
         for result in self._loader.take_finished() if self._loader else ():
-            if result.request_id in self._in_step:
-                self._in_step.discard(result.request_id)  # vLLM runs it: never "finished"
-            else:
+            if result.request_id not in self._in_step:  # vLLM runs one in the step already
                 done.add(result.request_id)
+            self._in_step.discard(result.request_id)
             with self._stats_lock:
                 if result.failed_blocks:
                     self._stats.add("load_failures")

@@ -1,6 +1,6 @@
 """A decode's loads, scheduler side: a request's ``kv_transfer_params`` checked, its prompt
-tokens claimed (over shm loaded in the step that runs it, else beside the engine's steps), its blocks handed to the
-worker as a `LoadSpec`, its lease renewed while it waits."""
+tokens claimed (over shm loaded in the step that runs it, else beside the engine's steps),
+its blocks handed to the worker as a `LoadSpec`, its lease renewed while it waits."""
 
 from __future__ import annotations
 
