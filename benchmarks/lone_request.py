@@ -238,12 +238,12 @@ def main(argv: list[str] | None = None) -> int:
                 load_ttft_ms=pct([s.ttft for s in ok_l], 50),
             )  # fmt: skip
         rows[config] = row
-    report(rows, args)
     if args.json:
         meta = {"command": " ".join(["python -m benchmarks.lone_request", *(argv or sys.argv[1:])]),
                 "date": time.strftime("%Y-%m-%d %H:%M %Z"),
                 "minutes": round((time.monotonic() - started) / 60, 1)}  # fmt: skip
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    report(rows, args)
     bad = errors or any(rows[c]["agreement"] < 1 for c in CONFIGS)
     log(f"done in {(time.monotonic() - started) / 60:.1f} min, {errors} failed requests")
     return 1 if bad else 0
