@@ -6,7 +6,7 @@ import time
 
 import msgspec
 import pytest
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from testbed.handshake_ranks import rank_meta
@@ -40,9 +40,14 @@ def prefill():
     sched.connector.shutdown()
 
 
+# The asynchronous load (over NIXL, with several KV cache groups, or sync_loads off): the
+# request waits for the worker's report. Over shm loads run in the step (`test_in_step_*`).
+ASYNC = {"sync_loads": False}
+
+
 @pytest.fixture
 def decode():
-    sched = make_scheduler("kv_consumer", BS, engine_id="dec")
+    sched = make_scheduler("kv_consumer", BS, ASYNC, engine_id="dec")
     yield sched
     sched.connector.shutdown()
 
@@ -501,7 +506,7 @@ def test_a_ticket_refused_at_claim_is_neither_renewed_nor_released():
     sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
     side = sched.connector.scheduler
     side.set_rank_metadata([rank_meta()])
-    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    decode = make_scheduler("kv_consumer", BS, ASYNC, engine_id="dec")
     try:
         sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
         params = params_of(step(sched)[1], "p1")
@@ -900,3 +905,52 @@ def test_a_request_id_used_again_within_its_lease_is_refused_and_leaves_the_firs
     assert pool.has("p1") and first["do_remote_prefill"] is True
     side_channel.call(first["remote_host"], first["remote_port"], ReleaseRequest(["p1"]), None, 5.0)
     assert pool.pages_in_use == 0
+
+
+@pytest.fixture
+def shm_decode():
+    sched = make_scheduler("kv_consumer", BS, {"sync_loads": True}, engine_id="dec")  # shm
+    yield sched
+    sched.connector.shutdown()
+
+
+def test_in_step_a_shm_load_runs_in_the_step_that_claims_it(shm_decode):
+    """Over shm the worker copies the KV before the step's forward pass, so the request
+    computes its last prompt token and samples in the very step that claims it. An
+    asynchronous load waits for the worker's report, then for the step after it."""
+    req = make_request("s1", 45, remote_params(45), max_tokens=3)
+    shm_decode.add_request(req)
+    out, _ = step(shm_decode)
+    (load,) = meta(out).loads
+    assert load.in_step and load.error is None and (load.first_token, load.claimed) == (0, 44)
+    assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"s1": 1}
+    assert req.status == RequestStatus.RUNNING and list(req.output_token_ids) == [7]
+    # Over with the step: no more renewals, and nothing for the worker to report.
+    assert shm_decode.connector.scheduler.receiver.renewer.holds_until("s1") == 0.0
+    out, _ = step(shm_decode)
+    assert meta(out).loads == [] and list(req.output_token_ids) == [7, 7]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_in_step_a_failed_load_fails_the_request_or_is_recomputed(shm_decode, policy):
+    """The worker reports a load in the step that failed by its blocks, with that step's
+    output: vLLM drops the token sampled from them, then fails the request or computes
+    the whole prompt (never claiming the ticket again)."""
+    shm_decode.recompute_kv_load_failures = policy == "recompute"
+    params = {"do_remote_prefill": False, "error": "staging pool full (8/8 pages) for 5s"}
+    req = make_request("e1", 45, params, max_tokens=3)
+    shm_decode.add_request(req)
+    out = shm_decode.schedule()
+    (load,) = meta(out).loads
+    assert load.in_step and "staging pool full" in load.error
+    failed = KVConnectorOutput(invalid_block_ids=set(load.block_ids[0]))
+    runner = ModelRunnerOutput(req_ids=["e1"], req_id_to_index={"e1": 0},
+                               sampled_token_ids=[[7]], kv_connector_output=failed)  # fmt: skip
+    shm_decode.update_from_output(out, runner)
+    assert list(req.output_token_ids) == []
+    if policy == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR and "e1" not in shm_decode.requests
+        return
+    out, _ = step(shm_decode)
+    assert meta(out).loads == [] and out.num_scheduled_tokens == {"e1": 45}
+    assert list(req.output_token_ids) == [7]

@@ -1,7 +1,8 @@
 """What arrives at this engine, in the scheduler (SGLang's ``KVReceiver``): a decode's
 loads, and a prefill's load of a conversation's earlier turn. A request's ticket checked,
-its prompt tokens claimed (loaded asynchronously, beside the engine's steps), its blocks
-handed to the worker as a `LoadSpec`, its lease renewed while it waits."""
+its prompt tokens claimed (loaded beside the engine's steps; with ``sync_loads``, over
+shm, in the step that runs it), its blocks handed to the worker as a `LoadSpec`, its lease
+renewed while it waits."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class KVReceiver:
         self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], prefix_caching: bool = True
     ) -> None:
         self._key, self._groups = cfg.shared_key, groups
+        # A shm load is a local copy of a few ms: the worker does it before the forward pass
+        # of the step that schedules the request (vLLM takes such loads' failures by block
+        # only: one KV cache group). Async, its first token waits one or two more steps.
+        one_group = len(groups) <= 1 and not has_state(groups)
+        self._in_step = cfg.sync_loads and cfg.transport == "shm" and one_group
         self.renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
         # request id -> (first token to load, the checked ticket, what is wrong with it)
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
@@ -135,12 +141,14 @@ class KVReceiver:
             error = f"request {request.request_id}: {exc}"
             num_tokens = len(request.prompt_token_ids or ())
         count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
+        if self._in_step:  # vLLM's step computes at least its last token (async: vLLM cuts)
+            count = min(count, request.num_tokens - 1 - num_computed_tokens)
         if count <= 0:
             return 0, False
         if remote is not None:
             self.tickets.hold(request.request_id, key)
         self._matched[request.request_id] = (num_computed_tokens, remote, error)
-        return count, True
+        return count, not self._in_step
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
         """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks. Whether a
@@ -163,13 +171,15 @@ class KVReceiver:
             holds_until=self.renewer.holds_until(request.request_id),
             starts=starts,
             claimed=first_token + num_external_tokens,
+            in_step=self._in_step,
         )
         return True
 
     def take(self) -> list[LoadSpec]:
-        """This step's loads, for the worker."""
+        """This step's loads, for the worker; a load in the step is over with the step."""
         loads, self._pending = list(self._pending.values()), {}
-        self._loading.update(spec.request_id for spec in loads)
+        self._loading.update(spec.request_id for spec in loads if not spec.in_step)
+        self.received({spec.request_id for spec in loads if spec.in_step})
         return loads
 
     def received(self, request_ids: set[str]) -> None:
