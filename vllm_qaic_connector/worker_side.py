@@ -220,6 +220,7 @@ class WorkerSide:
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
+                    self._stats.sample("read_seconds", result.read_seconds)
         self._direct.drop_dead()
         sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None
