@@ -334,8 +334,8 @@ def plot(table: list[dict[str, Any]], out: str) -> None:
         share_ax.plot(tokens, [100 * r["share"] for r in mine], marker="o", label=mine[0]["label"])
         cost_ax.plot(tokens, [r["us_per_token"] for r in mine], marker="o", label=mine[0]["label"])
     share_ax.axhline(100 * TARGET_SHARE, color="grey", linestyle="--", label="target (from 1k)")
-    share_ax.set(ylabel="save + load, % of vLLM alone's TTFT", ylim=(0, None))
-    cost_ax.set(ylabel="save + load, us per prompt token", ylim=(0, None))
+    share_ax.set(ylabel="handoff (save + load), % of TTFT without it", ylim=(0, None))
+    cost_ax.set(ylabel="handoff (save + load), us per prompt token", ylim=(0, None))
     ticks = sorted({r["tokens"] for r in table})
     for ax in (share_ax, cost_ax):
         ax.set(xscale="log", xlabel="prompt tokens", xticks=ticks)

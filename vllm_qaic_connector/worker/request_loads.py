@@ -83,10 +83,9 @@ class RequestLoads:
         logger.error("QAICConnector: request %s: KV load failed: %s", spec.request_id, reason)
         # Only to a peer that answered a handshake: a dead one would hold a thread for
         # nothing (its lease frees the pages). Off this thread: it may be the engine's.
-        remote = spec.remote
-        if remote is not None and self.peers.answered(remote.remote_host, remote.remote_port):
+        if (remote := spec.remote) and self.peers.answered(remote.remote_host, remote.remote_port):
             self._releaser.submit(self._release_remote, spec)
-        source = spec.remote.remote_engine_id if spec.remote else ""
+        source = remote.remote_engine_id if remote else ""
         return LoadResult(spec.request_id, self.blocks_to_load(spec), 0, 0, source)
 
     def blocks_to_load(self, spec: LoadSpec, group: int | None = None) -> frozenset[int]:
