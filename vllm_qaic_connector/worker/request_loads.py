@@ -183,10 +183,9 @@ class RequestLoads:
         lo, hi = first // bs, blocks_for_tokens(end, bs)
         ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
-        binding = ticket_binding(remote)
         with (
             checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation,
-                         ack, binding),
+                         ack, ticket_binding(remote)),
             gate.writing(),
         ):  # fmt: skip
             if not src.cache.mapped:  # registered memory: READs of whole blocks
