@@ -25,7 +25,9 @@ prefilled in one step). Servers, all started at once and pinned (every thread):
 
   This client and the proxies run on core 1.
 
-Per prompt length, ``--repeats`` rounds; each round sends one fresh prompt of that length
+Per prompt length, one untimed handoff through each setup (memory a transport touches for
+the first time at that length faults in: see RESULTS.md), then ``--repeats`` rounds; each
+round sends one fresh prompt of that length
 to ``alone`` and to every setup's proxy in turn (the order rotated by round), one request at
 a time with a pause between (vLLM's CPU worker spins 1 s after a step), streamed, greedy,
 ``max_tokens`` 2, ``ignore_eos``. Through the proxy the first token is the prefill's and the
@@ -142,17 +144,19 @@ class Pair:
 
 def start(run: LiveRun, model: Path, keys: list[str], args: argparse.Namespace) -> tuple[
         VllmServer, dict[str, Pair], Testbed]:  # fmt: skip
-    kv_cache = max(256 << 20, args.shape.kv_bytes(args.max_len) + (64 << 20))
+    context = args.shape.kv_bytes(args.max_len)
     server_args = [
         "--max-model-len", str(args.max_len), "--max-num-batched-tokens", str(args.max_len),
-        "--dtype", "float32", "--no-enable-prefix-caching", "--kv-cache-memory-bytes",
-        str(kv_cache),
+        "--dtype", "float32", "--no-enable-prefix-caching",
     ]  # fmt: skip
     cores: dict[str, set[int]] = {}
 
     def vllm(name: str, core: str, kv: dict[str, Any] | None, block: int = 128) -> VllmServer:
         cores[name] = {int(core)}
-        extra = [*server_args, "--block-size", str(block)]
+        # A prefill holds a direct handoff's blocks only up to half its cache (beyond, it
+        # stages): room for the longest prompt held, and one in flight.
+        kv_cache = max(256 << 20, (3 if name.startswith("prefill") else 1) * context + (64 << 20))
+        extra = [*server_args, "--kv-cache-memory-bytes", str(kv_cache), "--block-size", str(block)]
         return run.vllm(name, core, kv, extra_args=extra, model=model)
 
     prefills: dict[str, VllmServer] = {}
@@ -244,6 +248,9 @@ def measure(alone: VllmServer, pairs: dict[str, Pair], args: argparse.Namespace)
     differ = 0
     keys = list(pairs)
     for n in args.tokens:
+        for key in keys:  # untimed: pages the transports touch first at this length fault in
+            time.sleep(PAUSE_S)
+            handoff(pairs[key], prompt(n, f"warm-{n}"))
         for r in range(args.repeats):
             text = prompt(n, f"{n}-{r}")
             time.sleep(PAUSE_S)
