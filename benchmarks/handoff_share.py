@@ -27,10 +27,10 @@ prefilled in one step). Servers, all started at once and pinned (every thread):
 
 Per prompt length, one untimed handoff through each setup (memory a transport touches for
 the first time at that length faults in: see RESULTS.md), then ``--repeats`` rounds; each
-round sends one fresh prompt of that length
-to ``alone`` and to every setup's proxy in turn (the order rotated by round), one request at
-a time with a pause between (vLLM's CPU worker spins 1 s after a step), streamed, greedy,
-``max_tokens`` 2, ``ignore_eos``. Through the proxy the first token is the prefill's and the
+round sends one fresh prompt of that length to ``alone`` and to every setup's proxy in turn
+(the order rotated by round), one request at a time with a pause between (vLLM's CPU
+worker spins 1 s after a step), streamed, greedy, ``max_tokens`` 2, ``ignore_eos``.
+Through the proxy the first token is the prefill's and the
 second the decode's, after its load. The connector's own timings come from vLLM's metrics,
 scraped before and after each request: ``vllm:qaic_kv_save_seconds`` on the prefill (the
 copy into staging in the decode's format; a direct handoff saves its ticket only) and
