@@ -76,3 +76,9 @@ compare-turns: setup
 .PHONY: goodput
 goodput: setup
 	$(PY) -m benchmarks.goodput --json runs/goodput.json --plot runs/goodput.png
+
+# Issue #71, point 3: the handoff's share of TTFT by prompt length (128 to 4k tokens) on a
+# scaled random model, shm and NIXL, the decode's block size the prefill's or another.
+.PHONY: handoff-share
+handoff-share: setup
+	$(PY) -m benchmarks.handoff_share --json runs/handoff_share.json --plot runs/handoff_share.png

@@ -158,10 +158,8 @@ def sized_staging(cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) 
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a name: it may resolve anywhere
 

@@ -76,10 +76,8 @@ class WorkerSide:
         geometry: KVGeometry,
         groups: tuple[KVGroup, ...] = (),
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.identity, self.geometry = cfg, identity, geometry
         self.groups = groups  # KV cache groups (empty: one, every layer in it)
-        self.identity = identity
-        self.geometry = geometry
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
         self.layout_name: str | None = None  # the KV cache layout vLLM resolved
@@ -227,6 +225,7 @@ class WorkerSide:
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
+                    self._stats.sample("read_seconds", result.read_seconds)
         self._direct.drop_dead()
         sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None
