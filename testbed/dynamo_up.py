@@ -111,12 +111,13 @@ def metric(url: str, name: str) -> float:
 
 class Run:
     def __init__(self, run_dir: Path) -> None:
-        self.dir, self.procs = run_dir, {}  # type: dict[str, subprocess.Popen[bytes]]
+        self.dir = run_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 (closed by the process)
         self.procs[name] = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=False,
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
             preexec_fn=os.setpgrp,  # noqa: PLW1509 (each server leads a group cleanup signals)
         )  # fmt: skip
 
