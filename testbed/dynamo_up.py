@@ -217,8 +217,19 @@ def bring_up_and_check(run: Run, args: argparse.Namespace) -> int:
     wait_model(url, run, args.startup_timeout)
     print(f"[dynamo] frontend, workers, reference up in {time.monotonic() - t0:.0f}s", flush=True)
     p_metrics, d_metrics = f"http://127.0.0.1:{p_sys}", f"http://127.0.0.1:{d_sys}"
+    prompts = copy_task.heldout_prompts(args.prompts * len(MODES) + 30)
+    # The frontend lists the model once one worker registered: until a request comes back
+    # from loaded KV, both are not yet in (a lone decode would prefill it itself).
+    for prompt, _ in prompts[-30:]:
+        before = metric(d_metrics, "vllm:qaic_kv_loaded_requests_total")
+        ask(url, "completion", prompt)
+        time.sleep(1)
+        if metric(d_metrics, "vllm:qaic_kv_loaded_requests_total") > before:
+            break
+    else:
+        raise RuntimeError("no warm-up request came from loaded KV (see the decode's metrics)")
+    print(f"[dynamo] a request came from loaded KV {time.monotonic() - t0:.0f}s in", flush=True)
     loaded0 = metric(d_metrics, "vllm:qaic_kv_loaded_requests_total")
-    prompts = copy_task.heldout_prompts(args.prompts * len(MODES))
     failures, sent, correct = [], 0, 0
     for i, mode in enumerate(MODES):
         for prompt, answer in prompts[i * args.prompts : (i + 1) * args.prompts]:
@@ -245,6 +256,8 @@ def bring_up_and_check(run: Run, args: argparse.Namespace) -> int:
         f"failures, copy task {correct}/{sent} correct, staging pages held {pages:.0f}, "
         f"KV usage {usage}"
     )
+    for name, u in engines:  # for the record: what the connector and vLLM counted
+        (run.dir / f"{name}_metrics.txt").write_text(requests.get(u + "/metrics", timeout=10).text)
     if failures:
         run.tail()
     return 1 if failures else 0
