@@ -8,13 +8,11 @@ CONNECTOR_NAME = "QAICConnector"
 def register() -> None:
     """Entry point of the `vllm.general_plugins` group: registers the connector with vLLM,
     and with Dynamo's vLLM worker (``python -m dynamo.vllm``) where Dynamo is installed."""
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory as Factory
 
     # vLLM loads general plugins once per process, but a second call must stay harmless.
-    if CONNECTOR_NAME not in KVConnectorFactory._registry:
-        KVConnectorFactory.register_connector(
-            CONNECTOR_NAME, "vllm_qaic_connector.connector", "QAICConnector"
-        )
+    if CONNECTOR_NAME not in Factory._registry:
+        Factory.register_connector(CONNECTOR_NAME, "vllm_qaic_connector.connector", CONNECTOR_NAME)
     # Dynamo picks its P/D handoff by connector name and refuses names it lacks. Ours is
     # NixlConnector's: the prefill is asked do_remote_decode, its answer is the decode's.
     with contextlib.suppress(ImportError):
