@@ -82,3 +82,10 @@ goodput: setup
 .PHONY: handoff-share
 handoff-share: setup
 	$(PY) -m benchmarks.handoff_share --json runs/handoff_share.json --plot runs/handoff_share.png
+
+# Issue #73: 1P1D behind Dynamo 1.6.1 (frontend + KV router, file discovery, ZMQ KV events)
+# on one host, from a venv of its own over .venv's packages (docs/routing.md, "Dynamo").
+.PHONY: dynamo
+dynamo: setup
+	bash scripts/setup_dynamo_env.sh
+	$(PY) -m testbed.dynamo_up --prompts $${PROMPTS:-4}
