@@ -7,25 +7,17 @@ reference's (the script exits 1 otherwise). Times are printed, never asserted.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks.handoff_share import QUICK_TOKENS
-from testbed.shipped_model import ROOT
+from testbed.quick_benchmarks import run_quick
 
 
 def test_handoff_share_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "share.json", tmp_path / "share.png"
-    cmd = [sys.executable, "-m", "benchmarks.handoff_share", "--quick"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_quick("benchmarks.handoff_share", out, png, timeout_s=600)
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [(r["setup"], r["tokens"]) for r in rows] == [("shm-staged-32", n) for n in QUICK_TOKENS]
