@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -16,7 +16,7 @@ DEFAULT_STAGING_BYTES = 256 << 20  # the pool's floor
 MAX_AUTO_STAGING = 4 << 30  # and the most it takes unasked: host memory on every staging rank
 MAX_BLOCK_TOKENS = 1024  # the largest decode block a staged prompt's layers round up to
 EVERY_ADDRESS = ("0.0.0.0", "::", "")  # binds that no peer can dial
-_POSITIVE = ("staging_page_bytes", "lease_s", "handshake_timeout_s", "load_timeout_s")
+POSITIVE = msgspec.Meta(gt=0)  # msgspec refuses 0 or less by key, as it does a wrong type
 
 
 class ConnectorConfig(
@@ -27,19 +27,20 @@ class ConnectorConfig(
 
     transport: Literal["shm", "nixl"] = "shm"
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0  # 0: pick a free port; it travels in kv_transfer_params
+    # 0: pick a free port; it travels in kv_transfer_params
+    side_channel_port: Annotated[int, msgspec.Meta(ge=0, lt=65536)] = 0
     side_channel_advertise_host: str | None = None
     side_channel_key: str | None = None  # refused: see __post_init__
     side_channel_key_file: str | None = None
     allow_unauthenticated: bool = False
-    staging_bytes: int | None = None  # None: sized_staging() sizes it for the model
-    staging_page_bytes: int = 256 << 10
-    staging_wait_s: float = 5.0
+    staging_bytes: Annotated[int, POSITIVE] | None = None  # None: sized_staging() sizes it
+    staging_page_bytes: Annotated[int, POSITIVE] = 256 << 10
+    staging_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 5.0
     # The most of the pool one decode's requests hold while other decodes are in play.
-    decode_staging_share: float = 0.5
-    lease_s: float = 120.0
-    handshake_timeout_s: float = 10.0
-    load_timeout_s: float = 60.0
+    decode_staging_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    lease_s: Annotated[float, POSITIVE] = 120.0
+    handshake_timeout_s: Annotated[float, POSITIVE] = 10.0
+    load_timeout_s: Annotated[float, POSITIVE] = 60.0
     verify_cpu_layout: bool = True
     # Saves on a worker thread, off the engine's step; their blocks are held until done.
     async_saves: bool = True
@@ -70,23 +71,11 @@ class ConnectorConfig(
                 "/proc/<pid>/cmdline and in vLLM's config log. Put the key in a file named by "
                 f"side_channel_key_file (mode 0600) or in ${KEY_ENV}"
             )
-        positive = {"staging_bytes": self.pool_bytes} | {k: getattr(self, k) for k in _POSITIVE}
-        for key, value in positive.items():
-            if value <= 0:
-                raise ValueError(f"{key} must be > 0, got {value}")
-        if self.staging_wait_s < 0:
-            raise ValueError("staging_wait_s must be >= 0")
-        if not 0 < self.decode_staging_share <= 1:
-            raise ValueError(
-                f"decode_staging_share must be in (0, 1], got {self.decode_staging_share}"
-            )
         if self.pool_bytes < self.staging_page_bytes:
             raise ValueError(
                 "staging_bytes must hold at least one page "
                 f"({self.pool_bytes} < staging_page_bytes={self.staging_page_bytes})"
             )
-        if not 0 <= self.side_channel_port < 65536:
-            raise ValueError(f"side_channel_port out of range: {self.side_channel_port}")
         for peer in self.decode_peers:
             host, _, port = peer.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
