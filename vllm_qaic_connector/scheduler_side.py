@@ -18,11 +18,7 @@ from vllm_qaic_connector.protocol.routed_params import NOT_ROUTED, RoutedParams,
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.scheduler.kept_turns import KeptTurns
 from vllm_qaic_connector.scheduler.kv_receiver import KVReceiver
-from vllm_qaic_connector.scheduler.kv_sender import (
-    KVSender,
-    LocalEngine,
-    answer_cap,
-)
+from vllm_qaic_connector.scheduler.kv_sender import KVSender, LocalEngine, answer_cap
 from vllm_qaic_connector.scheduler.staging import StagingPool
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
 from vllm_qaic_connector.stats import QAICConnectorStats
@@ -77,9 +73,8 @@ class SchedulerSide:
         self.releases = StagingReleases(self.pool, has_state(self.groups))
         # Each data-parallel rank is an engine of its own: it listens on the configured port
         # plus its DP index, as NixlConnector's do (a fixed port would fail the second).
-        port = cfg.side_channel_port and (
-            cfg.side_channel_port + vllm_config.parallel_config.data_parallel_index
-        )
+        dp_index = vllm_config.parallel_config.data_parallel_index
+        port = cfg.side_channel_port and cfg.side_channel_port + dp_index
         self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, cfg.shared_key)
         engine = LocalEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port,
@@ -242,5 +237,5 @@ class SchedulerSide:
         return stats
 
     def shutdown(self) -> None:
-        self.receiver.close()
+        self.receiver.renewer.close()
         self._server.close()

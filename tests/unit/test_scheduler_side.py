@@ -786,7 +786,7 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
             time.sleep(0.02)
         assert released == ["p1"]
     finally:
-        loads.close()
+        loads.renewer.close()
         server.close()
 
 

@@ -15,7 +15,7 @@ import msgspec
 from vllm_qaic_connector.layout import blocks_for_tokens
 from vllm_qaic_connector.protocol.routed_params import RoutedParams
 from vllm_qaic_connector.protocol.ticket import RemotePrefill, ticket_binding
-from vllm_qaic_connector.region_headers import HEADER_BYTES, generations
+from vllm_qaic_connector.region_headers import HEADER_BYTES
 from vllm_qaic_connector.scheduler.kv_receiver import tokens_alone
 from vllm_qaic_connector.scheduler.kv_sender import FINISHED, KVSender
 from vllm_qaic_connector.step_metadata import SaveSpec
@@ -32,7 +32,6 @@ class KeptTurns:
         # ask for over the side channel (that thread only reads it).
         self.named: dict[str, RemotePrefill] = {}
         self._seals: list[SaveSpec] = []  # sealed at the next step
-        self._generations = generations()
 
     def keep(self, request: Request, routed: RoutedParams) -> tuple[bool, Any]:
         """`request_finished` for a turn: whether its blocks stay held, and the ticket for
@@ -64,7 +63,7 @@ class KeptTurns:
             staging_offset=offset,
             layout_kind=sender.ranks[0].layout_kind if sender.ranks else "",
             block_size=engine.geometry.block_size,
-            generation=next(self._generations),
+            generation=next(sender.generations),
             direct=True,
         )
         ticket = sender.ticket(request, spec, turn=True)

@@ -198,6 +198,3 @@ class KVReceiver:
         (self.renewer.drop if loading else self.renewer.release)(request_id)
         self.tickets.leave(request_id)
         return loading
-
-    def close(self) -> None:
-        self.renewer.close()

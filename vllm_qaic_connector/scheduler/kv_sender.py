@@ -122,7 +122,7 @@ class KVSender:
         self.held: dict[str, int] = {}
         self.held_cap = engine.num_blocks // 2
         self._named_at: dict[str, float] = {}  # decodes requests named, when last
-        self._generations = generations()
+        self.generations = generations()  # sealed in headers: its handoffs' and kept turns'
         self.stats = QAICConnectorStats()  # counters, taken by the scheduler side's stats
         for host, port in cfg.decode_sides:  # handshaken now, so the first request finds them
             peers.poll(host, port)
@@ -166,7 +166,7 @@ class KVSender:
             out.error = self._no_pages(holder, quota, HEADER_BYTES + kv_bytes)
             logger.warning("QAICConnector: request %s: %s", rid, out.error)
             return 0, False
-        out.offset, out.generation = offset, next(self._generations)
+        out.offset, out.generation = offset, next(self.generations)
         return 0, False
 
     def _quota(self, holder: str, now: float) -> int | None:

@@ -37,8 +37,7 @@ class StagingPool:
         self._free = bytearray(_FREE) * num_pages  # one byte per page
         self._leases: dict[str, Lease] = {}
         self._freed: list[int] = []  # offsets given up since `drain_freed`
-        self._in_use = 0  # pages
-        self._held_by: Counter[str] = Counter()  # pages, by holder
+        self._held_by: Counter[str] = Counter()  # pages in use, by holder
         self._next_expiry = math.inf  # no lease ends before this (renewals only delay)
         self.last_allocated = -math.inf  # monotonic time of the latest run taken
         self._lock = threading.Lock()
@@ -76,7 +75,6 @@ class StagingPool:
             if (start := self._free.find(_FREE * need)) < 0:
                 return None
             self._free[start : start + need] = _USED * need
-            self._in_use += need
             self._held_by[holder] += need
             expires = (time.monotonic() if now is None else now) + self.lease_s
             self._next_expiry = min(self._next_expiry, expires)
@@ -90,7 +88,6 @@ class StagingPool:
                 return False
             first, n = lease.first_page, lease.num_pages
             self._free[first : first + n] = _FREE * n
-            self._in_use -= n
             # A holder is dropped at 0 pages (Counter's -=): they are named by requests, keep few.
             self._held_by -= Counter({lease.holder: n})
             self._freed.append(first * self.page_bytes)
@@ -139,4 +136,4 @@ class StagingPool:
     @property
     def pages_in_use(self) -> int:
         with self._lock:
-            return self._in_use
+            return self._held_by.total()  # over holders (few), not leases
