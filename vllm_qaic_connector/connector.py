@@ -46,12 +46,9 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
             )
         extra = self._kv_transfer_config.kv_connector_extra_config
         cfg = sized_staging(parse_config(extra), vllm_config, kv_cache_config)
-        self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(vllm_config, cfg, kv_cache_config)
-        else:
-            self.worker = WorkerSide.from_vllm(vllm_config, cfg, kv_cache_config)
+        scheduler = role == KVConnectorRole.SCHEDULER  # one half per instance, the other None
+        self.scheduler = SchedulerSide(vllm_config, cfg, kv_cache_config) if scheduler else None
+        self.worker = None if scheduler else WorkerSide.from_vllm(vllm_config, cfg, kv_cache_config)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -146,9 +146,8 @@ class SchedulerSide:
         routed = self._routed_of(request)
         if routed.do_remote_prefill:
             self.receiver.arrived(request)
-        if not (self.is_producer and routed.do_remote_decode and has_state(self.groups)):
-            return
-        if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+        one_short = self.is_producer and routed.do_remote_decode and has_state(self.groups)
+        if one_short and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
             del request.prompt_token_ids[-1]  # (prompt embeddings: nothing to cut)
             del request._all_token_ids[-1]
             request.num_prompt_tokens -= 1

@@ -54,11 +54,9 @@ class KeptTurns:
             return False, None
         if self.pool.has(rid) or (offset := self.pool.allocate(rid, HEADER_BYTES)) is None:
             return False, None
-        assert sender.kv_cache_manager is not None
-        block_ids = sender.kv_cache_manager.get_block_ids(rid)[0][:num_blocks]
         spec = SaveSpec(
             request_id=rid,
-            block_ids=(list(block_ids),),
+            block_ids=(sender.kv_cache_manager.get_block_ids(rid)[0][:num_blocks],),
             num_tokens=num_tokens,
             staging_offset=offset,
             layout_kind=sender.ranks[0].layout_kind if sender.ranks else "",
@@ -88,7 +86,6 @@ class KeptTurns:
         cache's blocks are free, the oldest kept turn is released (its blocks come back at
         the next step)."""
         sender = self.sender
-        assert sender.kv_cache_manager is not None
         free = sender.kv_cache_manager.block_pool.get_num_free_blocks()
         while self._turns and free < sender.engine.num_blocks // 8:
             rid = self._turns.pop(0)

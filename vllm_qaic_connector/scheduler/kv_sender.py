@@ -113,7 +113,7 @@ class KVSender:
         self.cfg, self.engine, self.releases, self.peers = cfg, engine, releases, peers
         self.pool = releases.pool
         self.ranks: list[RankMetadata] = []  # our workers', by TP rank
-        self.kv_cache_manager: KVCacheManager | None = None
+        self.kv_cache_manager: KVCacheManager  # bound by vLLM right after construction
         self._layer_groups = layer_groups(engine.groups, ordered_layers(engine.groups))
         self._outgoing: dict[str, _Outgoing] = {}
         self._await_saves: list[str] = []  # finished, blocks held for the worker's saves
@@ -261,8 +261,7 @@ class KVSender:
         return ours
 
     def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
-        assert self.kv_cache_manager is not None and out.offset is not None
-        assert out.target is not None
+        assert out.offset is not None and out.target is not None
         groups, num_tokens = self.engine.groups, req.num_prompt_tokens
         all_ids = self.kv_cache_manager.get_block_ids(req.request_id)
         block_ids = tuple(
