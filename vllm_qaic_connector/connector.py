@@ -116,10 +116,9 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         return self._s().pool_stats() if self._s().is_producer else None
 
     def shutdown(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
+        for half in (self.worker, self.scheduler):
+            if half is not None:
+                half.shutdown()
 
     # --- scheduler role -----------------------------------------------------------------
 
