@@ -245,11 +245,7 @@ class KVSender:
                 outgoing.error = "staging lease expired before the prompt finished"
                 outgoing.request = None
                 continue
-            spec = self._save_spec(req, outgoing, last, final)
-            outgoing.saved_to = max(outgoing.saved_to, last)  # a preempted one recomputes
-            if final:
-                outgoing.staged = spec
-            saves.append(spec)
+            saves.append(self._next_save(req, outgoing, last, final))
         return saves
 
     def preempted(self, out: SchedulerOutput) -> list[str]:
@@ -260,7 +256,9 @@ class KVSender:
         self.stats.add("preempted_handoffs", len(ours))
         return ours
 
-    def _save_spec(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
+    def _next_save(self, req: Request, out: _Outgoing, last: int, final: bool) -> SaveSpec:
+        """``out``'s save of its prompt's tokens up to ``last``, recorded on it; the final
+        one also binds its ticket, and is what ``out`` staged."""
         assert out.offset is not None and out.target is not None
         groups, num_tokens = self.engine.groups, req.num_prompt_tokens
         all_ids = self.kv_cache_manager.get_block_ids(req.request_id)
@@ -288,9 +286,11 @@ class KVSender:
             last=last,
             direct=out.target.direct,
         )
-        if not final:
-            return spec
-        return dataclasses.replace(spec, binding=ticket_binding(self.ticket(req, spec)))
+        out.saved_to = max(out.saved_to, last)  # a preempted one recomputes
+        if final:
+            spec = dataclasses.replace(spec, binding=ticket_binding(self.ticket(req, spec)))
+            out.staged = spec
+        return spec
 
     def take_await_saves(self) -> list[str]:
         taken, self._await_saves = self._await_saves, []
