@@ -41,9 +41,8 @@ ERROR_TYPES = {
 # answer not streamed (a reasoning model's 30k tokens) takes as long as it takes. A backend
 # that accepts no connection in this long is down, and another is tried.
 CONNECT_TIMEOUT_S = 10.0
-# What a relayed route passes on of the client's request and of the decode's answer.
+# What every leg passes on of the client's request (`credentials`).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-RELAYED_HEADERS = ("Content-Type", "Accept")  # and `credentials`
 LEG_HEADERS = web.RequestKey("leg_headers", dict[str, str])  # `credentials`, once a request
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
@@ -281,7 +280,7 @@ class Legs:
             logger.warning("%s leg %s broke off a stream: %s", leg, url, exc)
             err = error_body(502, f"{leg} leg {url} broke off the stream: {exc}")
             with contextlib.suppress(ConnectionResetError):
-                await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                await out.write(first_token.event(err))
             return response_of(out), False
         finally:
             resp.close()  # before the end of the stream: the decode aborts the request

@@ -26,21 +26,10 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_qaic_proxy import apis, first_token, prompt_lists, turns
+from vllm_qaic_proxy import apis, first_token, legs, prompt_lists, turns
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
-from vllm_qaic_proxy.legs import (
-    RELAYED_HEADERS,
-    LegError,
-    Legs,
-    NoAnswer,
-    NotHere,
-    Sink,
-    answer_of,
-    credentials,
-    error_body,
-    response_of,
-)
+from vllm_qaic_proxy.legs import LegError, Legs, NoAnswer, NotHere, Sink, error_body
 from vllm_qaic_proxy.routing import Router
 from vllm_qaic_proxy.turns import Turns
 
@@ -52,6 +41,8 @@ MAX_REQUEST_BYTES = 1 << 30
 # A client that goes away cancels its handler, which closes the legs' connections: the
 # engines abort the request, as vLLM's own server does (not only a stream's, on write).
 HANDLER_CANCELLATION = True
+# What a relayed route passes on of the client's request, besides its credentials.
+RELAYED_HEADERS = ("Content-Type", "Accept")
 
 
 class Proxy:
@@ -94,11 +85,11 @@ class Proxy:
         )
         answers = await asyncio.gather(*handoffs)
         if streamed is not None:  # every prompt failed before the stream opened: the first
-            failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
+            failures = [legs.answer_of(a) for a in answers if isinstance(a, web.Response)]
             if failures and not streamed.out.prepared:
                 return web.json_response(failures[0][1], status=failures[0][0])
             return await streamed.finish(failures)
-        status, answer = prompt_lists.merged([answer_of(a) for a in answers])
+        status, answer = prompt_lists.merged([legs.answer_of(a) for a in answers])
         timings = [t for a in answers if (t := a.headers.get("Server-Timing"))]
         timing = {"Server-Timing": max(timings, key=prefill_ms)} if timings else None
         return web.json_response(answer, status=status, headers=timing)
@@ -110,7 +101,7 @@ class Proxy:
         prefill leg would be wasted or refused (`apis.answers_alone`). A stream goes to the
         client, or into ``sink`` (a part of a streamed list)."""
         prefill_url, decode_url = self.router.route()
-        auth = credentials(request)
+        auth = legs.credentials(request)
         client = turns.client(auth, request.remote)
         wanted = self._first_from_prefill and api.first_token_from_prefill
         first_from_prefill = wanted and first_token.eligible(body)
@@ -186,7 +177,7 @@ class Proxy:
             to_prefill.update(asked, return_token_ids=True)
         if turn := self.turns.take(api, body, client):
             to_prefill["kv_transfer_params"]["earlier_turn"] = turn
-        auth, refusal = credentials(request), None
+        auth, refusal = legs.credentials(request), None
         try:
             prefilled = await self.legs.failover(
                 self.router.prefills,
@@ -264,7 +255,7 @@ class Proxy:
             await out.prepare(request)
             await out.write(first.events(body.get("stream_options")))
             await out.write_eof()
-        return response_of(out)
+        return legs.response_of(out)
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A route that one engine answers, from a decode, streamed through as it comes. A
@@ -277,7 +268,7 @@ class Proxy:
             return web.json_response(error_body(404, problem), status=404)
         data = apis.relayed(await request.read())
         relayed = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
-        headers = {**credentials(request), **relayed}
+        headers = {**legs.credentials(request), **relayed}
         stored = request.path.startswith("/v1/responses/")  # one decode holds it, others 404
         pool = self.router.decodes
         try:

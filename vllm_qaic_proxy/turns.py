@@ -137,7 +137,5 @@ class Turns:
 
     def _drop(self, key: tuple[str, str]) -> Kept:
         kept = self._kept.pop(key)
-        self._held[kept.client] -= kept.size
-        if not self._held[kept.client]:
-            del self._held[kept.client]
+        self._held -= Counter({kept.client: kept.size})  # a client that holds none drops out
         return kept
