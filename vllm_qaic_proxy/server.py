@@ -21,7 +21,6 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -135,8 +134,12 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             stored = alone == "previous_response_id"
             try:
-                response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing, stored, sink, kept
+                response, done = await self.legs.failover(
+                    self.router.decodes,
+                    decode_url,
+                    lambda u: self.legs.answer(
+                        request, u, to_decode, timing, first, "decode", sink, kept, stored
+                    ),
                 )
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
@@ -144,8 +147,10 @@ class Proxy:
                 # No decode took it: a prefill answers it whole (its prefix cache holds the
                 # prompt by now), and the staged KV is released.
                 logger.warning("%s; a prefill answers the whole request", exc)
-                response, _ = await self._answer(
-                    request, "prefill", prefill_url, body, None, {}, sink=sink
+                response, _ = await self.legs.failover(
+                    self.router.prefills,
+                    prefill_url,
+                    lambda u: self.legs.answer(request, u, body, {}, None, "prefill", sink),
                 )
             return response
         except LegError as exc:
@@ -197,33 +202,6 @@ class Proxy:
                 self.legs.release(turn)
         took_ms = (time.monotonic() - started) * 1e3
         return prefilled, {"Server-Timing": f"prefill;dur={took_ms:.1f}"}, refusal
-
-    async def _answer(
-        self,
-        request: web.Request,
-        leg: str,
-        url: str,
-        body: dict[str, Any],
-        first: FirstToken | None,
-        timing: dict[str, str],
-        stored: bool = False,
-        sink: Sink | None = None,
-        kept: Callable[[str, Any], None] | None = None,
-    ) -> tuple[web.StreamResponse, bool]:
-        """The client's answer from ``url`` or another backend of its kind (streamed as it
-        comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
-        the request continues a stored response, which one decode holds (the others 404)."""
-        pool = self.router.decodes if leg == "decode" else self.router.prefills
-
-        async def call(u: str) -> tuple[web.StreamResponse, bool]:
-            try:
-                return await self.legs.answer(request, u, body, timing, first, leg, sink, kept)
-            except LegError as exc:  # a stored response's 404: another decode may hold it
-                if not stored or exc.status != 404 or isinstance(exc, NoAnswer):
-                    raise
-                raise NotHere(404, f"{u} does not hold it", exc.body) from None
-
-        return await self.legs.failover(pool, url, call)
 
     def _kept(
         self, api: Api, body: dict[str, Any], client: str, name: str, url: str, ticket: Any
