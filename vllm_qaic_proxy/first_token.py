@@ -97,11 +97,10 @@ class FirstToken:
         decode's max_model_len, where known; a prompt one token short of it ends the answer
         at the prefill's token, as vLLM ends it (the decode would refuse the prompt and
         that token as longer than its context)."""
-        params = prefilled.get("kv_transfer_params")
         try:
             [choice] = prefilled["choices"]
             prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
-            ticket = parse_remote_prefill(params if isinstance(params, dict) else {})
+            ticket = parse_remote_prefill(prefilled["kv_transfer_params"])
         except (KeyError, TypeError, ValueError):
             return None
         one = isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1

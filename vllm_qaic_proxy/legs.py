@@ -81,9 +81,9 @@ class NotHere(NoAnswer):
     store is per server), so another may; ``body`` is its 404, the answer if none does."""
 
 
-def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
-    kind = kind or ERROR_TYPES.get(status, "BadRequestError")
+    kind = ERROR_TYPES.get(status, "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 

@@ -113,7 +113,7 @@ class Proxy:
         try:
             if alone is None:
                 prefilled, timing, refusal = await self._prefill_leg(
-                    request, body, api, (prefill_url, decode_url), client, first_from_prefill
+                    request, body, api, (prefill_url, decode_url), first_from_prefill
                 )
                 params = prefilled.get("kv_transfer_params")
                 if isinstance(params, dict) and params.get("error"):
@@ -167,7 +167,6 @@ class Proxy:
         body: dict[str, Any],
         api: Api,
         route: tuple[str, str],
-        client: str,
         with_token: bool,
     ) -> tuple[dict[str, Any], dict[str, str], LegError | None]:
         """The prefill leg of a request routed to ``route`` (prefill, decode): the prompt with
@@ -180,9 +179,9 @@ class Proxy:
         if with_token:
             asked = {k: body[k] for k in first_token.MERGED if k in body}
             to_prefill.update(asked, return_token_ids=True)
-        if turn := self.turns.take(api, body, client):
-            to_prefill["kv_transfer_params"]["earlier_turn"] = turn
         auth, refusal = legs.credentials(request), None
+        if turn := self.turns.take(api, body, turns.client(auth, request.remote)):
+            to_prefill["kv_transfer_params"]["earlier_turn"] = turn
         try:
             prefilled = await self.legs.failover(
                 self.router.prefills,
