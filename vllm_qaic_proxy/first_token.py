@@ -173,10 +173,9 @@ class FirstToken:
         chunk = {**head, "choices": [choice]}
         if options.get("include_usage") and options.get("continuous_usage_stats"):
             chunk["usage"] = counts  # on every event: here, one token so far
-        out = [chunk]
+        data = event(chunk)
         if self.finished and final_usage and options.get("include_usage"):
-            out.append({**head, "choices": [], "usage": counts})
-        data = b"".join(event(c) for c in out)
+            data += event({**head, "choices": [], "usage": counts})
         return data + b"data: [DONE]\n\n" if self.finished else data
 
 
