@@ -97,11 +97,10 @@ class FirstToken:
         decode's max_model_len, where known; a prompt one token short of it ends the answer
         at the prefill's token, as vLLM ends it (the decode would refuse the prompt and
         that token as longer than its context)."""
-        params = prefilled.get("kv_transfer_params")
         try:
             [choice] = prefilled["choices"]
             prompt_ids, ids = choice["prompt_token_ids"], choice["token_ids"]
-            ticket = parse_remote_prefill(params if isinstance(params, dict) else {})
+            ticket = parse_remote_prefill(prefilled["kv_transfer_params"])
         except (KeyError, TypeError, ValueError):
             return None
         one = isinstance(prompt_ids, list) and isinstance(ids, list) and len(ids) == 1
@@ -174,10 +173,9 @@ class FirstToken:
         chunk = {**head, "choices": [choice]}
         if options.get("include_usage") and options.get("continuous_usage_stats"):
             chunk["usage"] = counts  # on every event: here, one token so far
-        out = [chunk]
+        data = event(chunk)
         if self.finished and final_usage and options.get("include_usage"):
-            out.append({**head, "choices": [], "usage": counts})
-        data = b"".join(event(c) for c in out)
+            data += event({**head, "choices": [], "usage": counts})
         return data + b"data: [DONE]\n\n" if self.finished else data
 
 

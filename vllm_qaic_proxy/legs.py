@@ -41,9 +41,8 @@ ERROR_TYPES = {
 # answer not streamed (a reasoning model's 30k tokens) takes as long as it takes. A backend
 # that accepts no connection in this long is down, and another is tried.
 CONNECT_TIMEOUT_S = 10.0
-# What a relayed route passes on of the client's request and of the decode's answer.
+# What every leg passes on of the client's request (`credentials`).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-RELAYED_HEADERS = ("Content-Type", "Accept")  # and `credentials`
 LEG_HEADERS = web.RequestKey("leg_headers", dict[str, str])  # `credentials`, once a request
 # Under vLLM's keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s): a pooled connection is never
 # reused just as the engine's server closes it (the request would fail to send).
@@ -82,9 +81,9 @@ class NotHere(NoAnswer):
     store is per server), so another may; ``body`` is its 404, the answer if none does."""
 
 
-def error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str) -> dict[str, Any]:
     """vLLM's (and OpenAI's) error shape."""
-    kind = kind or ERROR_TYPES.get(status, "BadRequestError")
+    kind = ERROR_TYPES.get(status, "BadRequestError")
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
 
 
@@ -140,8 +139,11 @@ class Legs:
         except aiohttp.ClientError as exc:
             raise LegError(503, f"{leg} leg {url} is unreachable: {exc}") from None
 
-    async def read_json(self, leg: str, url: str, resp: aiohttp.ClientResponse) -> dict[str, Any]:
-        """The leg's JSON answer; a backend's 4xx goes to the client as it is."""
+    async def read_json(
+        self, leg: str, url: str, resp: aiohttp.ClientResponse, stored: bool = False
+    ) -> dict[str, Any]:
+        """The leg's JSON answer; a backend's 4xx goes to the client as it is (a ``stored``
+        response's 404: `NotHere`)."""
         try:
             text = await resp.text()
         except asyncio.TimeoutError:
@@ -157,6 +159,8 @@ class Legs:
             raise LegError(
                 502, f"{leg} leg {url} answered HTTP {resp.status} with non-JSON: {text[:200]!r}"
             )
+        if resp.status == 404 and stored:  # another decode may hold it
+            raise NotHere(404, f"{url} does not hold it", body)
         if 400 <= resp.status < 500:
             raise LegError(resp.status, f"{leg} leg: HTTP {resp.status}", body)
         if resp.status != 200:
@@ -236,26 +240,29 @@ class Legs:
         leg: str = "decode",
         sink: Sink | None = None,
         kept: Callable[[str, Any], None] | None = None,
+        stored: bool = False,
     ) -> tuple[web.StreamResponse, bool]:
         """The leg's answer from ``base``: whole (``first`` put back in front, with the
         ``headers``), or the events through as they come (after ``first``'s, once the decode
         has taken the request), to the client or into ``sink``; False when the client went
         away. Then the decode's connection is closed, which aborts the request there. Its
         ticket, if any, is not the client's (`apis.taken`): once the answer came through
-        whole, ``kept`` gets ``base`` and the ticket (called, not awaited)."""
+        whole, ``kept`` gets ``base`` and the ticket (called, not awaited). ``stored``: the
+        request continues a stored response, and a 404 is `NotHere` (another decode may hold
+        it)."""
         url, streamed = base + request.path, body.get("stream")
         limit = self.decode_timeout_s  # a stream's: the longest gap between events
         timeout = leg_timeout(sock_read=limit) if streamed else leg_timeout(total=limit)
         resp = await self.open(leg, url, timeout, credentials(request), json=body)
         if not streamed:
-            answer = await self.read_json(leg, base, resp)
+            answer = await self.read_json(leg, base, resp, stored)
             ticket = apis.taken(answer)
             if kept is not None:
                 kept(base, ticket)
             answer = first.joined(answer) if first else answer
             return web.json_response(answer, headers=headers), True
         if resp.status != 200 or "json" in resp.content_type:
-            await self.read_json(leg, url, resp)  # raises: a stream answers 200 with events
+            await self.read_json(leg, url, resp, stored)  # raises: a stream answers 200 with events
             raise LegError(502, f"{leg} leg {url} answered a stream request with JSON")
         headers["Content-Type"] = resp.headers.get("Content-Type", "")
         out: Sink = sink or web.StreamResponse(headers=headers)
@@ -281,7 +288,7 @@ class Legs:
             logger.warning("%s leg %s broke off a stream: %s", leg, url, exc)
             err = error_body(502, f"{leg} leg {url} broke off the stream: {exc}")
             with contextlib.suppress(ConnectionResetError):
-                await out.write(f"data: {json.dumps(err)}\n\n".encode())
+                await out.write(first_token.event(err))
             return response_of(out), False
         finally:
             resp.close()  # before the end of the stream: the decode aborts the request

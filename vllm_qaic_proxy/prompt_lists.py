@@ -17,8 +17,9 @@ from typing import Any
 
 from aiohttp import web
 
+from vllm_qaic_proxy.first_token import STREAM_HEAD, event
+
 USAGE_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
-HEAD = ("id", "object", "created", "model")  # a stream event's own fields, as vLLM sends them
 
 
 def prompts(body: dict[str, Any]) -> list[Any] | None:
@@ -90,10 +91,10 @@ class StreamedList:
                 {**c, "index": c.get("index", 0) + offset} if isinstance(c, dict) else c
                 for c in choices
             ]
-        self._head = self._head or {k: payload[k] for k in HEAD if k in payload}
+        self._head = self._head or {k: payload[k] for k in STREAM_HEAD if k in payload}
         if "id" in payload:
             payload["id"] = self._head.get("id", payload["id"])
-        await self.out.write(f"data: {json.dumps(payload)}\n\n".encode())
+        await self.out.write(event(payload))
 
     async def finish(self, failures: list[tuple[int, dict[str, Any]]]) -> web.StreamResponse:
         """The end of the list's stream: each failed prompt's error as an event (vLLM ends a
@@ -101,10 +102,10 @@ class StreamedList:
         with contextlib.suppress(ConnectionResetError):  # the client went away: nothing to end
             await self.open()
             for _, error in failures:
-                await self.out.write(f"data: {json.dumps(error)}\n\n".encode())
+                await self.out.write(event(error))
             if self.usages:
                 end = {**self._head, "choices": [], "usage": summed(self.usages)}
-                await self.out.write(f"data: {json.dumps(end)}\n\n".encode())
+                await self.out.write(event(end))
             await self.out.write(b"data: [DONE]\n\n")
             await self.out.write_eof()
         return self.out

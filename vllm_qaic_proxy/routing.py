@@ -17,15 +17,12 @@ class LeastOutstanding:
     pool still spreads load and one slow backend never collects a queue."""
 
     def __init__(self, backends: list[str]) -> None:
-        if not backends:
-            raise ValueError("no backends")
         self.outstanding = dict.fromkeys(backends, 0)
         self._turn = itertools.count()
         self._down_until = dict.fromkeys(backends, 0.0)
 
     def pick(self) -> str:
-        now = time.monotonic()
-        up = {b: n for b, n in self.outstanding.items() if self._down_until[b] <= now}
+        up = {b: n for b, n in self.outstanding.items() if not self.is_down(b)}
         candidates = up or self.outstanding  # all down: try them all the same
         fewest = min(candidates.values())
         tied = [b for b, n in candidates.items() if n == fewest]
@@ -41,8 +38,7 @@ class LeastOutstanding:
 
     def failover(self, first: str) -> list[str]:
         """``first``, then every other backend that is up, in the order to try them."""
-        now = time.monotonic()
-        rest = [b for b in self.outstanding if b != first and self._down_until[b] <= now]
+        rest = [b for b in self.outstanding if b != first and not self.is_down(b)]
         return [first, *sorted(rest, key=self.outstanding.__getitem__)]
 
     @contextmanager

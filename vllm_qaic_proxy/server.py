@@ -21,26 +21,14 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
-from vllm_qaic_proxy import apis, first_token, prompt_lists, turns
+from vllm_qaic_proxy import apis, first_token, legs, prompt_lists, turns
 from vllm_qaic_proxy.apis import Api
 from vllm_qaic_proxy.first_token import FirstToken
-from vllm_qaic_proxy.legs import (
-    RELAYED_HEADERS,
-    LegError,
-    Legs,
-    NoAnswer,
-    NotHere,
-    Sink,
-    answer_of,
-    credentials,
-    error_body,
-    response_of,
-)
+from vllm_qaic_proxy.legs import LegError, Legs, NoAnswer, NotHere, Sink, error_body
 from vllm_qaic_proxy.routing import Router
 from vllm_qaic_proxy.turns import Turns
 
@@ -52,6 +40,8 @@ MAX_REQUEST_BYTES = 1 << 30
 # A client that goes away cancels its handler, which closes the legs' connections: the
 # engines abort the request, as vLLM's own server does (not only a stream's, on write).
 HANDLER_CANCELLATION = True
+# What a relayed route passes on of the client's request, besides its credentials.
+RELAYED_HEADERS = ("Content-Type", "Accept")
 
 
 class Proxy:
@@ -94,11 +84,11 @@ class Proxy:
         )
         answers = await asyncio.gather(*handoffs)
         if streamed is not None:  # every prompt failed before the stream opened: the first
-            failures = [answer_of(a) for a in answers if isinstance(a, web.Response)]
+            failures = [legs.answer_of(a) for a in answers if isinstance(a, web.Response)]
             if failures and not streamed.out.prepared:
                 return web.json_response(failures[0][1], status=failures[0][0])
             return await streamed.finish(failures)
-        status, answer = prompt_lists.merged([answer_of(a) for a in answers])
+        status, answer = prompt_lists.merged([legs.answer_of(a) for a in answers])
         timings = [t for a in answers if (t := a.headers.get("Server-Timing"))]
         timing = {"Server-Timing": max(timings, key=prefill_ms)} if timings else None
         return web.json_response(answer, status=status, headers=timing)
@@ -110,7 +100,7 @@ class Proxy:
         prefill leg would be wasted or refused (`apis.answers_alone`). A stream goes to the
         client, or into ``sink`` (a part of a streamed list)."""
         prefill_url, decode_url = self.router.route()
-        auth = credentials(request)
+        auth = legs.credentials(request)
         client = turns.client(auth, request.remote)
         wanted = self._first_from_prefill and api.first_token_from_prefill
         first_from_prefill = wanted and first_token.eligible(body)
@@ -123,7 +113,7 @@ class Proxy:
         try:
             if alone is None:
                 prefilled, timing, refusal = await self._prefill_leg(
-                    request, body, api, (prefill_url, decode_url), client, first_from_prefill
+                    request, body, api, (prefill_url, decode_url), first_from_prefill
                 )
                 params = prefilled.get("kv_transfer_params")
                 if isinstance(params, dict) and params.get("error"):
@@ -144,8 +134,12 @@ class Proxy:
                 to_decode = first.decode_body(body, params or {})
             stored = alone == "previous_response_id"
             try:
-                response, done = await self._answer(
-                    request, "decode", decode_url, to_decode, first, timing, stored, sink, kept
+                response, done = await self.legs.failover(
+                    self.router.decodes,
+                    decode_url,
+                    lambda u: self.legs.answer(
+                        request, u, to_decode, timing, first, "decode", sink, kept, stored
+                    ),
                 )
             except NotHere:
                 raise  # no decode holds the earlier response: its 404 is the answer
@@ -153,8 +147,10 @@ class Proxy:
                 # No decode took it: a prefill answers it whole (its prefix cache holds the
                 # prompt by now), and the staged KV is released.
                 logger.warning("%s; a prefill answers the whole request", exc)
-                response, _ = await self._answer(
-                    request, "prefill", prefill_url, body, None, {}, sink=sink
+                response, _ = await self.legs.failover(
+                    self.router.prefills,
+                    prefill_url,
+                    lambda u: self.legs.answer(request, u, body, {}, None, "prefill", sink),
                 )
             return response
         except LegError as exc:
@@ -171,7 +167,6 @@ class Proxy:
         body: dict[str, Any],
         api: Api,
         route: tuple[str, str],
-        client: str,
         with_token: bool,
     ) -> tuple[dict[str, Any], dict[str, str], LegError | None]:
         """The prefill leg of a request routed to ``route`` (prefill, decode): the prompt with
@@ -184,9 +179,9 @@ class Proxy:
         if with_token:
             asked = {k: body[k] for k in first_token.MERGED if k in body}
             to_prefill.update(asked, return_token_ids=True)
-        if turn := self.turns.take(api, body, client):
+        auth, refusal = legs.credentials(request), None
+        if turn := self.turns.take(api, body, turns.client(auth, request.remote)):
             to_prefill["kv_transfer_params"]["earlier_turn"] = turn
-        auth, refusal = credentials(request), None
         try:
             prefilled = await self.legs.failover(
                 self.router.prefills,
@@ -206,33 +201,6 @@ class Proxy:
                 self.legs.release(turn)
         took_ms = (time.monotonic() - started) * 1e3
         return prefilled, {"Server-Timing": f"prefill;dur={took_ms:.1f}"}, refusal
-
-    async def _answer(
-        self,
-        request: web.Request,
-        leg: str,
-        url: str,
-        body: dict[str, Any],
-        first: FirstToken | None,
-        timing: dict[str, str],
-        stored: bool = False,
-        sink: Sink | None = None,
-        kept: Callable[[str, Any], None] | None = None,
-    ) -> tuple[web.StreamResponse, bool]:
-        """The client's answer from ``url`` or another backend of its kind (streamed as it
-        comes, or whole, with the ``timing`` header), and whether it was all sent. ``stored``:
-        the request continues a stored response, which one decode holds (the others 404)."""
-        pool = self.router.decodes if leg == "decode" else self.router.prefills
-
-        async def call(u: str) -> tuple[web.StreamResponse, bool]:
-            try:
-                return await self.legs.answer(request, u, body, timing, first, leg, sink, kept)
-            except LegError as exc:  # a stored response's 404: another decode may hold it
-                if not stored or exc.status != 404 or isinstance(exc, NoAnswer):
-                    raise
-                raise NotHere(404, f"{u} does not hold it", exc.body) from None
-
-        return await self.legs.failover(pool, url, call)
 
     def _kept(
         self, api: Api, body: dict[str, Any], client: str, name: str, url: str, ticket: Any
@@ -264,7 +232,7 @@ class Proxy:
             await out.prepare(request)
             await out.write(first.events(body.get("stream_options")))
             await out.write_eof()
-        return response_of(out)
+        return legs.response_of(out)
 
     async def relay(self, request: web.Request) -> web.StreamResponse:
         """A route that one engine answers, from a decode, streamed through as it comes. A
@@ -277,7 +245,7 @@ class Proxy:
             return web.json_response(error_body(404, problem), status=404)
         data = apis.relayed(await request.read())
         relayed = {k: v for k in RELAYED_HEADERS if (v := request.headers.get(k)) is not None}
-        headers = {**credentials(request), **relayed}
+        headers = {**legs.credentials(request), **relayed}
         stored = request.path.startswith("/v1/responses/")  # one decode holds it, others 404
         pool = self.router.decodes
         try:

@@ -27,7 +27,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_qaic_proxy import apis
@@ -76,20 +76,17 @@ class Kept:
     size: int
 
 
+@dataclass(eq=False)
 class Turns:
-    """Kept turns by (owner, conversation), oldest first; ``enabled``: the engines keep
-    turns (``--reuse-turns``), else nothing is asked or kept; ``down``: whether a decode
-    is marked down."""
+    """Kept turns by (owner, conversation), oldest first; ``release`` frees a ticket's KV;
+    ``enabled``: the engines keep turns (``--reuse-turns``), else nothing is asked or kept;
+    ``down``: whether a decode is marked down."""
 
-    def __init__(
-        self,
-        release: Callable[[dict[str, Any]], None],
-        enabled: bool = True,
-        down: Callable[[str], bool] = lambda _: False,
-    ) -> None:
-        self._kept: dict[tuple[str, str], Kept] = {}
-        self._held: Counter[str] = Counter()  # bytes by client
-        self._release, self.enabled, self._down = release, enabled, down
+    release: Callable[[dict[str, Any]], None]
+    enabled: bool = True
+    down: Callable[[str], bool] = lambda _: False
+    _kept: dict[tuple[str, str], Kept] = field(default_factory=dict, init=False)
+    _held: Counter[str] = field(default_factory=Counter, init=False)  # bytes by client
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -113,7 +110,7 @@ class Turns:
         if not ours:
             return None
         kept = self._drop(max(ours, key=lambda k: len(k[1])))
-        return None if self._down(kept.decode) else kept.ticket
+        return None if self.down(kept.decode) else kept.ticket
 
     def keep(
         self, api: Api, body: dict[str, Any], client: str, ticket: Any, decode: str = ""
@@ -122,22 +119,20 @@ class Turns:
         if not isinstance(ticket, dict) or not ticket.get("do_remote_prefill"):
             return
         if (text := conversation(api, body)) is None:
-            self._release(ticket)  # kept for nothing we can continue: free it now
+            self.release(ticket)  # kept for nothing we can continue: free it now
             return
         key = (owner(body, client), text)
         if key in self._kept:  # the same turn, again
-            self._release(self._drop(key).ticket)
+            self.release(self._drop(key).ticket)
         size = len(text.encode(errors="surrogatepass")) + len(json.dumps(ticket))
         self._kept[key] = Kept(ticket, client, decode, size)
         self._held[client] += size
         while len(self._kept) > MAX_KEPT or self._held.total() > MAX_KEPT_BYTES:
             most = max(self._held, key=self._held.__getitem__)
             oldest = next(k for k, t in self._kept.items() if t.client == most)
-            self._release(self._drop(oldest).ticket)
+            self.release(self._drop(oldest).ticket)
 
     def _drop(self, key: tuple[str, str]) -> Kept:
         kept = self._kept.pop(key)
-        self._held[kept.client] -= kept.size
-        if not self._held[kept.client]:
-            del self._held[kept.client]
+        self._held -= Counter({kept.client: kept.size})  # a client that holds none drops out
         return kept
