@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.kv_groups import KVGroup, groups_of
-from vllm_qaic_connector.layout import KVGeometry, KVLayout
+from vllm_qaic_connector.layout import KV, KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import RankMetadata, ReleaseRequest, parse_ack
@@ -32,7 +32,6 @@ from vllm_qaic_connector.worker.loader import Loader
 from vllm_qaic_connector.worker.registration import (
     LocalCache,
     RankIdentity,
-    Views,
     local_cache,
     rank_metadata,
     rank_of,
@@ -101,7 +100,7 @@ class WorkerSide:
         self._started: list[int] = []  # this step's loads (`Loader.submit` keys)
 
     @property
-    def layers(self) -> list[Views]:
+    def layers(self) -> list[KV]:
         return self.cache.layers if self.cache else []
 
     @classmethod

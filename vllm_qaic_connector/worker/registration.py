@@ -22,7 +22,7 @@ from vllm_qaic_connector.kv.kv_groups import (
 from vllm_qaic_connector.kv.layout_probe import resolved_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.kv.staging_format import StagingFormat
-from vllm_qaic_connector.layout import KVGeometry, KVLayout
+from vllm_qaic_connector.layout import KV, KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import checkpoint_fingerprint, checkpoint_folder, kv_settings
 from vllm_qaic_connector.protocol.wire import (
@@ -37,8 +37,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = get_logger(__name__)
-
-Views = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class LocalCache:
 
     layout: KVLayout
     geometry: KVGeometry
-    layers: list[Views]  # each attention layer's canonical K and V views
+    layers: list[KV]  # each attention layer's canonical K and V views
     tensors: list[torch.Tensor]  # physical, as vLLM registered them
     layer_groups: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
     state: RecurrentState | None = None  # Mamba layers' state, if the model has any

@@ -91,9 +91,8 @@ class RequestSaves:
         self._await_saves -= done
         for rid in done:
             self._saving.pop(rid, None)
-        done |= self._released_direct
-        self._released_direct = set()
-        return done
+        released, self._released_direct = self._released_direct, set()
+        return done | released
 
     def take_stats(self) -> QAICConnectorStats:
         with self._stats_lock:
