@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -94,8 +93,9 @@ class WorkerSide:
         # With several KV cache groups block ids are not unique, so vLLM takes failed
         # loads by request id (failed_recving) instead of by block.
         self._failed_requests: set[str] = set()
+        # Only get_finished and get_stats touch it: vLLM calls them on the worker's thread,
+        # one after the other.
         self._stats = QAICConnectorStats()
-        self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
         self._started: list[int] = []  # this step's loads (`Loader.submit` keys)
 
@@ -201,30 +201,27 @@ class WorkerSide:
         if self._started and self._metadata and self._metadata.idle and self._loader:
             self._loader.wait(self._started, IDLE_LOAD_WAIT_S)
         self._started = []
-        done: set[str] = set()
+        results = self._loader.take_finished() if self._loader else []
         # Loads in the step are over by now (done, or failed at their deadline): vLLM runs
         # their requests already, so they are never reported as finished.
         loads = self._metadata.loads if self._metadata else []
-        in_step = {spec.request_id for spec in loads if spec.in_step}
-        for result in self._loader.take_finished() if self._loader else ():
-            if result.request_id not in in_step:
-                done.add(result.request_id)
-            with self._stats_lock:
-                if result.failed_blocks:
-                    self._stats.add("load_failures")
-                    if len(self.groups) > 1:
-                        self._failed_requests.add(result.request_id)
-                    else:
-                        self._load_errors |= result.failed_blocks
+        done = {r.request_id for r in results} - {s.request_id for s in loads if s.in_step}
+        for result in results:
+            if result.failed_blocks:
+                self._stats.add("load_failures")
+                if len(self.groups) > 1:
+                    self._failed_requests.add(result.request_id)
                 else:
-                    self._stats.add("loaded_requests")
-                    self._stats.add(PER_PEER_PREFIX + result.source_engine)
-                    self._stats.add("loaded_tokens", result.tokens)
-                    self._stats.add("bytes_copied", result.bytes_copied)
-                    self._stats.add("read_descriptors", result.reads)
-                    self._stats.add("direct_reads", int(result.direct))
-                    self._stats.sample("load_seconds", result.seconds)
-                    self._stats.sample("read_seconds", result.read_seconds)
+                    self._load_errors |= result.failed_blocks
+            else:
+                self._stats.add("loaded_requests")
+                self._stats.add(PER_PEER_PREFIX + result.source_engine)
+                self._stats.add("loaded_tokens", result.tokens)
+                self._stats.add("bytes_copied", result.bytes_copied)
+                self._stats.add("read_descriptors", result.reads)
+                self._stats.add("direct_reads", int(result.direct))
+                self._stats.sample("load_seconds", result.seconds)
+                self._stats.sample("read_seconds", result.read_seconds)
         self._direct.drop_dead()
         sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None
@@ -238,14 +235,13 @@ class WorkerSide:
         return errors
 
     def get_stats(self) -> QAICConnectorStats | None:
-        with self._stats_lock:
-            self._stats.add("handshakes", self.peers.take_handshakes())
-            if self.saves is not None:
-                self._stats.aggregate(self.saves.take_stats())
-            if self._stats.is_empty():
-                return None
-            out, self._stats = self._stats, QAICConnectorStats()
-            return out
+        self._stats.add("handshakes", self.peers.take_handshakes())
+        if self.saves is not None:
+            self._stats.aggregate(self.saves.take_stats())
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, QAICConnectorStats()
+        return out
 
     def shutdown(self) -> None:
         if self.saves is not None:
