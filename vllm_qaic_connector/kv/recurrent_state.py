@@ -179,12 +179,10 @@ class RecurrentState:
         return region.numel()
 
     def load(
-        self, region: torch.Tensor, block_ids: Sequence[Sequence[int]], src_tp: int | None = None,
-        src_rank: int | None = None,
-    ) -> int:  # fmt: skip
-        """Takes this rank's part of what ``src_rank`` of ``src_tp`` staged (by default a
-        rank like this one); returns bytes copied."""
-        src_tp, src_rank = src_tp or self.tp_size, self.tp_rank if src_rank is None else src_rank
+        self, region: torch.Tensor, block_ids: Sequence[Sequence[int]], src_tp: int, src_rank: int
+    ) -> int:
+        """Takes this rank's part of what ``src_rank`` of ``src_tp`` staged; returns bytes
+        copied."""
         copied = 0
         for state, split, staged in self._staged(block_ids, region, src_tp, src_rank):
             for s_at, d_at, n in split.runs(src_tp, src_rank, self.tp_size, self.tp_rank):

@@ -89,9 +89,8 @@ class RequestLoads:
     def blocks_to_load(self, spec: LoadSpec, group: int | None = None) -> frozenset[int]:
         """The blocks a load writes, in one group or in all of them."""
         bs = self.cache.geometry.block_size
-        groups = range(len(spec.block_ids)) if group is None else [group]
         blocks: set[int] = set()
-        for g in groups:
+        for g in range(len(spec.block_ids)) if group is None else [group]:
             ids = spec.block_ids[g]
             end = spec.end or len(ids) * bs
             blocks.update(ids[spec.start(g) // bs : blocks_for_tokens(end, bs)])
@@ -128,11 +127,10 @@ class RequestLoads:
             )
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
-            ack = self._ack(remote.remote_request_id, r)
             nbytes = fmt.request_bytes(remote.num_tokens)
             read = checked_read(
                 transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation,
-                ack, ticket_binding(remote),
+                self._ack(remote.remote_request_id, r), ticket_binding(remote),
             )  # fmt: skip
             t_read = time.monotonic()
             with read as region, gate.writing():
@@ -175,11 +173,10 @@ class RequestLoads:
         if max(remote.block_ids) >= src.num_blocks:
             raise ValueError(f"block_ids beyond the prefill's {src.num_blocks} blocks")
         lo, hi = first // bs, blocks_for_tokens(end, bs)
-        ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
         with (
             checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation,
-                         ack, ticket_binding(remote)),
+                         self._ack(remote.remote_request_id, tp_rank), ticket_binding(remote)),
             gate.writing(),
         ):  # fmt: skip
             if not src.cache.mapped:  # registered memory: READs of whole blocks
