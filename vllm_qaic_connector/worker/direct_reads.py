@@ -163,11 +163,6 @@ class DirectReader:
         if cache is not None:
             cache.close()
 
-    @property
-    def owners(self) -> list[str]:
-        with self._lock:
-            return list(self._caches)
-
     def drop_dead(self) -> None:
         """Unmaps the caches of prefills that exited (cheap: a poll per mapped cache)."""
         with self._lock:

@@ -77,15 +77,15 @@ class LocalCache:
         self,
         kind: str,
         geometry: KVGeometry,
-        num_layers: int,
         group_starts: tuple[int, ...],
         tp: tuple[int, int] | None = None,
     ) -> StagingFormat:
-        """A staged request's format; ``group_starts``: its first staged token per group;
+        """A staged request's format, of this cache's layers (a peer's count is the same:
+        the handshake checks it); ``group_starts``: its first staged token per group;
         ``tp``: (size, rank) of the rank that staged it, if not this one."""
-        firsts = layer_starts(group_starts, self.layer_groups, num_layers)
+        firsts = layer_starts(group_starts, self.layer_groups, len(self.layers))
         state = self.state.nbytes(*(tp or (None, None))) if self.state else 0
-        return StagingFormat(kind, geometry, num_layers, firsts, state)
+        return StagingFormat(kind, geometry, len(self.layers), firsts, state)
 
 
 SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs

@@ -122,9 +122,7 @@ class RequestLoads:
             heads = len(heads_of_rank(total, src_tp, r))
             src_geo = KVGeometry(heads, src_rank.head_size, staged_bs, cache.geometry.dtype)
             staged = remote.group_starts or (0,) * len(spec.block_ids)
-            fmt = cache.staging_format(
-                remote.staged_layout, src_geo, src_rank.num_layers, staged, (src_tp, r)
-            )
+            fmt = cache.staging_format(remote.staged_layout, src_geo, staged, (src_tp, r))
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
             nbytes = fmt.request_bytes(remote.num_tokens)
