@@ -113,6 +113,7 @@ class RequestLoads:
         total, src_tp = self.ours.num_kv_heads, len(ranks)
         staged_bs = remote.staged_block_size
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, staged_bs)))
+        staged = remote.group_starts or (0,) * len(spec.block_ids)
         copied, reads, read_s, t0 = 0, 0, 0.0, time.monotonic()
         # Each source rank staged its own head shard (and state shard); read only what
         # this rank holds.
@@ -121,11 +122,10 @@ class RequestLoads:
             src_rank = ranks[r]
             heads = len(heads_of_rank(total, src_tp, r))
             src_geo = KVGeometry(heads, src_rank.head_size, staged_bs, cache.geometry.dtype)
-            staged = remote.group_starts or (0,) * len(spec.block_ids)
             fmt = cache.staging_format(remote.staged_layout, src_geo, staged, (src_tp, r))
+            nbytes = fmt.request_bytes(remote.num_tokens)
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
-            nbytes = fmt.request_bytes(remote.num_tokens)
             read = checked_read(
                 transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation,
                 self._ack(remote.remote_request_id, r), ticket_binding(remote),
