@@ -44,11 +44,9 @@ class Split:
         among = overlapping_ranks(src_tp, dst_tp, dst_rank)
         runs, src_at, dst_at = [], 0, 0
         for units, width in self.segments:
-            for s in head_sources(units, src_tp, dst_tp, dst_rank, among):
-                if s.src_rank == src_rank:
-                    h = s.heads
-                    runs.append((src_at + h.start * width, dst_at + h.dst_start * width,
-                                 (h.stop - h.start) * width))  # fmt: skip
+            if h := head_sources(units, src_tp, dst_tp, dst_rank, among).get(src_rank):
+                runs.append((src_at + h.start * width, dst_at + h.dst_start * width,
+                             (h.stop - h.start) * width))  # fmt: skip
             src_at += len(heads_of_rank(units, src_tp, src_rank)) * width
             dst_at += len(heads_of_rank(units, dst_tp, dst_rank)) * width
         return runs

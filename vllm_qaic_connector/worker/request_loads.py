@@ -117,7 +117,7 @@ class RequestLoads:
         copied, reads, read_s, t0 = 0, 0, 0.0, time.monotonic()
         # Each source rank staged its own head shard (and state shard); read only what
         # this rank holds.
-        kv_heads = {s.src_rank: s.heads for s in head_sources(total, src_tp, *self._tp)}
+        kv_heads = head_sources(total, src_tp, *self._tp)
         for r in source_ranks(total, src_tp, *self._tp, state=cache.state is not None):
             src_rank = ranks[r]
             heads = len(heads_of_rank(total, src_tp, r))
