@@ -62,7 +62,7 @@ class LocalCache:
     geometry: KVGeometry
     layers: list[KV]  # each attention layer's canonical K and V views
     tensors: list[torch.Tensor]  # physical, as vLLM registered them
-    layer_groups: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
+    layer_groups: tuple[int, ...]  # each layer's KV cache group
     state: RecurrentState | None = None  # Mamba layers' state, if the model has any
     names: tuple[str, ...] = ()  # each layer's name in vLLM, in the order peers share
 
@@ -71,7 +71,7 @@ class LocalCache:
         return self.tensors[0].device if self.tensors else torch.device("cpu")
 
     def group(self, layer: int) -> int:
-        return self.layer_groups[layer] if self.layer_groups else 0
+        return self.layer_groups[layer]
 
     def staging_format(
         self,
@@ -83,7 +83,7 @@ class LocalCache:
         """A staged request's format, of this cache's layers (a peer's count is the same:
         the handshake checks it); ``group_starts``: its first staged token per group;
         ``tp``: (size, rank) of the rank that staged it, if not this one."""
-        firsts = layer_starts(group_starts, self.layer_groups, len(self.layers))
+        firsts = layer_starts(group_starts, self.layer_groups)
         state = self.state.nbytes(*(tp or (None, None))) if self.state else 0
         return StagingFormat(kind, geometry, len(self.layers), firsts, state)
 
