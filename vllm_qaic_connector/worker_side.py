@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.kv.kv_groups import KVGroup, groups_of
+from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_geometry, groups_of
 from vllm_qaic_connector.layout import KV, KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
@@ -107,8 +107,8 @@ class WorkerSide:
     def from_vllm(
         cls, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
     ) -> WorkerSide:
-        identity, geometry = rank_of(vllm_config, kv_cache_config)
-        worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
+        geometry = attention_geometry(kv_cache_config)
+        worker = cls(cfg, rank_of(vllm_config), geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
         layout = getattr(kv_cache_config, "kv_cache_layout", None)
         worker.layout_name = "mla_latent" if vllm_config.model_config.use_mla else layout

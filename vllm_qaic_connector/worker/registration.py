@@ -13,7 +13,6 @@ import torch
 
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
-    attention_geometry,
     in_layer_order,
     layer_groups,
     layer_starts,
@@ -34,7 +33,6 @@ from vllm_qaic_connector.protocol.wire import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = get_logger(__name__)
 
@@ -120,17 +118,15 @@ def drafter_of(vllm_config: VllmConfig) -> str:
     return f"{spec.method}:{weights_fingerprint(vllm_config, draft) or draft.model}"
 
 
-def rank_of(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> tuple[RankIdentity, KVGeometry]:
-    """This rank's identity and the shape of its attention layers' KV."""
+def rank_of(vllm_config: VllmConfig) -> RankIdentity:
+    """This rank's identity."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     model_cfg = vllm_config.model_config
     hf = model_cfg.hf_text_config
-    identity = RankIdentity(
+    return RankIdentity(
         engine_id=str(ktc.engine_id),
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
@@ -143,7 +139,6 @@ def rank_of(
             (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
         ),
     )
-    return identity, attention_geometry(kv_cache_config)
 
 
 def local_cache(
