@@ -74,8 +74,8 @@ class WorkerSide:
         geometry: KVGeometry,
         groups: tuple[KVGroup, ...] = (),
     ) -> None:
-        self.cfg, self.identity, self.geometry = cfg, identity, geometry
-        self.groups = groups  # KV cache groups (empty: one, every layer in it)
+        # groups: the KV cache groups (empty: one, every layer in it)
+        self.cfg, self.identity, self.geometry, self.groups = cfg, identity, geometry, groups
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
         self.layout_name: str | None = None  # the KV cache layout vLLM resolved

@@ -33,10 +33,10 @@ from vllm_qaic_connector.worker.registration import LocalCache
 @dataclasses.dataclass(frozen=True)
 class LoadResult:
     request_id: str
-    failed_blocks: frozenset[int]
-    tokens: int
-    bytes_copied: int
-    source_engine: str
+    failed_blocks: frozenset[int]  # empty: loaded; the fields below count a load that was
+    tokens: int = 0
+    bytes_copied: int = 0
+    source_engine: str = ""
     seconds: float = 0.0  # from the load's start to its KV in our blocks
     read_seconds: float = 0.0  # of which in transport reads (over shm none: the copy reads)
     reads: int = 0  # transport reads (NIXL descriptors), ticket headers included
@@ -83,8 +83,7 @@ class RequestLoads:
         # nothing (its lease frees the pages). Off this thread: it may be the engine's.
         if (remote := spec.remote) and self.peers.answered(remote.remote_host, remote.remote_port):
             self._releaser.submit(self._release_remote, remote)
-        source = remote.remote_engine_id if remote else ""
-        return LoadResult(spec.request_id, self.blocks_to_load(spec), 0, 0, source)
+        return LoadResult(spec.request_id, self.blocks_to_load(spec))
 
     def blocks_to_load(self, spec: LoadSpec, group: int | None = None) -> frozenset[int]:
         """The blocks a load writes, in one group or in all of them."""
