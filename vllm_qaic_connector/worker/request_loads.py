@@ -11,7 +11,7 @@ from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.kv.token_copies import layer_runs
 from vllm_qaic_connector.kv.tp_mapping import head_sources, heads_of_rank, source_ranks
-from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
+from vllm_qaic_connector.layout import blocks_for_tokens, get_layout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
@@ -118,15 +118,15 @@ class RequestLoads:
         # this rank holds.
         kv_heads = head_sources(total, src_tp, *self._tp)
         for r in source_ranks(total, src_tp, *self._tp, state=cache.state is not None):
-            src_rank = ranks[r]
+            # Our geometry (the handshake checked the head size) with rank r's heads.
             heads = len(heads_of_rank(total, src_tp, r))
-            src_geo = KVGeometry(heads, src_rank.head_size, staged_bs, cache.geometry.dtype)
+            src_geo = dataclasses.replace(cache.geometry, num_heads=heads, block_size=staged_bs)
             fmt = cache.staging_format(remote.staged_layout, src_geo, staged, (src_tp, r))
             nbytes = fmt.request_bytes(remote.num_tokens)
             # The acknowledgement rides on the last read of this source rank, when the
             # transport carries messages; otherwise it goes over the side channel below.
             read = checked_read(
-                transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation,
+                transport, ranks[r].endpoint, remote.staging_offset, nbytes, remote.generation,
                 self._ack(remote.remote_request_id, r), ticket_binding(remote),
             )  # fmt: skip
             t_read = time.monotonic()
