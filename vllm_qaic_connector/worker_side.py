@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.copy_pool import CopyPool
-from vllm_qaic_connector.kv.kv_groups import KVGroup, groups_of
-from vllm_qaic_connector.layout import KVGeometry, KVLayout
+from vllm_qaic_connector.kv.kv_groups import KVGroup, attention_geometry, groups_of
+from vllm_qaic_connector.layout import KV, KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol.peers import PeerDirectory
 from vllm_qaic_connector.protocol.wire import RankMetadata, ReleaseRequest, parse_ack
@@ -32,7 +31,6 @@ from vllm_qaic_connector.worker.loader import Loader
 from vllm_qaic_connector.worker.registration import (
     LocalCache,
     RankIdentity,
-    Views,
     local_cache,
     rank_metadata,
     rank_of,
@@ -76,8 +74,8 @@ class WorkerSide:
         geometry: KVGeometry,
         groups: tuple[KVGroup, ...] = (),
     ) -> None:
-        self.cfg, self.identity, self.geometry = cfg, identity, geometry
-        self.groups = groups  # KV cache groups (empty: one, every layer in it)
+        # groups: the KV cache groups (empty: one, every layer in it)
+        self.cfg, self.identity, self.geometry, self.groups = cfg, identity, geometry, groups
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
         self.layout_name: str | None = None  # the KV cache layout vLLM resolved
@@ -95,21 +93,22 @@ class WorkerSide:
         # With several KV cache groups block ids are not unique, so vLLM takes failed
         # loads by request id (failed_recving) instead of by block.
         self._failed_requests: set[str] = set()
+        # Only get_finished and get_stats touch it: vLLM calls them on the worker's thread,
+        # one after the other.
         self._stats = QAICConnectorStats()
-        self._stats_lock = threading.Lock()
         self._metadata: QAICConnectorMetadata | None = None
         self._started: list[int] = []  # this step's loads (`Loader.submit` keys)
 
     @property
-    def layers(self) -> list[Views]:
+    def layers(self) -> list[KV]:
         return self.cache.layers if self.cache else []
 
     @classmethod
     def from_vllm(
         cls, vllm_config: VllmConfig, cfg: ConnectorConfig, kv_cache_config: KVCacheConfig
     ) -> WorkerSide:
-        identity, geometry = rank_of(vllm_config, kv_cache_config)
-        worker = cls(cfg, identity, geometry, groups_of(kv_cache_config))
+        geometry = attention_geometry(kv_cache_config)
+        worker = cls(cfg, rank_of(vllm_config), geometry, groups_of(kv_cache_config))
         worker.layer_modules = vllm_config.compilation_config.static_forward_context
         layout = getattr(kv_cache_config, "kv_cache_layout", None)
         worker.layout_name = "mla_latent" if vllm_config.model_config.use_mla else layout
@@ -202,30 +201,27 @@ class WorkerSide:
         if self._started and self._metadata and self._metadata.idle and self._loader:
             self._loader.wait(self._started, IDLE_LOAD_WAIT_S)
         self._started = []
-        done: set[str] = set()
+        results = self._loader.take_finished() if self._loader else []
         # Loads in the step are over by now (done, or failed at their deadline): vLLM runs
         # their requests already, so they are never reported as finished.
         loads = self._metadata.loads if self._metadata else []
-        in_step = {spec.request_id for spec in loads if spec.in_step}
-        for result in self._loader.take_finished() if self._loader else ():
-            if result.request_id not in in_step:
-                done.add(result.request_id)
-            with self._stats_lock:
-                if result.failed_blocks:
-                    self._stats.add("load_failures")
-                    if len(self.groups) > 1:
-                        self._failed_requests.add(result.request_id)
-                    else:
-                        self._load_errors |= result.failed_blocks
+        done = {r.request_id for r in results} - {s.request_id for s in loads if s.in_step}
+        for result in results:
+            if result.failed_blocks:
+                self._stats.add("load_failures")
+                if len(self.groups) > 1:
+                    self._failed_requests.add(result.request_id)
                 else:
-                    self._stats.add("loaded_requests")
-                    self._stats.add(PER_PEER_PREFIX + result.source_engine)
-                    self._stats.add("loaded_tokens", result.tokens)
-                    self._stats.add("bytes_copied", result.bytes_copied)
-                    self._stats.add("read_descriptors", result.reads)
-                    self._stats.add("direct_reads", int(result.direct))
-                    self._stats.sample("load_seconds", result.seconds)
-                    self._stats.sample("read_seconds", result.read_seconds)
+                    self._load_errors |= result.failed_blocks
+            else:
+                self._stats.add("loaded_requests")
+                self._stats.add(PER_PEER_PREFIX + result.source_engine)
+                self._stats.add("loaded_tokens", result.tokens)
+                self._stats.add("bytes_copied", result.bytes_copied)
+                self._stats.add("read_descriptors", result.reads)
+                self._stats.add("direct_reads", int(result.direct))
+                self._stats.sample("load_seconds", result.seconds)
+                self._stats.sample("read_seconds", result.read_seconds)
         self._direct.drop_dead()
         sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None
@@ -239,14 +235,13 @@ class WorkerSide:
         return errors
 
     def get_stats(self) -> QAICConnectorStats | None:
-        with self._stats_lock:
-            self._stats.add("handshakes", self.peers.take_handshakes())
-            if self.saves is not None:
-                self._stats.aggregate(self.saves.take_stats())
-            if self._stats.is_empty():
-                return None
-            out, self._stats = self._stats, QAICConnectorStats()
-            return out
+        self._stats.add("handshakes", self.peers.take_handshakes())
+        if self.saves is not None:
+            self._stats.aggregate(self.saves.take_stats())
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, QAICConnectorStats()
+        return out
 
     def shutdown(self) -> None:
         if self.saves is not None:

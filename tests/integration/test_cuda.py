@@ -11,7 +11,6 @@ import torch
 
 from testbed import handoff_bench as bench
 from testbed.worker_processes import (
-    LAYERS,
     VLLM_LAYOUTS,
     VLLM_PAIRS,
     full_heads,
@@ -84,7 +83,7 @@ def test_a_save_waits_for_the_forward_still_writing_its_blocks(waits, monkeypatc
         save("r1", 4096)
         assert not engine.query(), "the writer finished before the save: no race to test"
     w.saves.saver.shutdown(wait=True)
-    fmt = w.cache.staging_format("LBNHC", w.cache.geometry, LAYERS, (0,))
+    fmt = w.cache.staging_format("LBNHC", w.cache.geometry, (0,))
     region = w.transport.staging[4096 + HEADER_BYTES :]
     new = [
         bool((k.float() == 3.0).all()) and bool((v.float() == -3.0).all())

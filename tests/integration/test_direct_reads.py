@@ -201,12 +201,12 @@ time.sleep(300)
         cache = msgspec.json.decode(proc.stdout.readline(), type=SharedCache)
         reader.peer("p/0", cache, get_layout("vllm_cpu_vec"), GEO)
         reader.drop_dead()
-        assert reader.owners == ["p/0"]  # alive: kept
+        assert list(reader._caches) == ["p/0"]  # alive: kept
     finally:
         proc.kill()
         proc.wait()
     reader.drop_dead()
-    assert reader.owners == []
+    assert not reader._caches
     reader.close()
 
 

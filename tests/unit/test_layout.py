@@ -33,8 +33,13 @@ from vllm_qaic_connector.layout import (
     blocks_for_tokens,
     get_layout,
 )
+from vllm_qaic_connector.protocol.names import LAYOUT_KINDS
 
 HEADS, HEAD = 2, 32
+
+
+def test_the_wire_names_every_layout_in_order():
+    assert tuple(LAYOUTS) == LAYOUT_KINDS
 
 
 def geo(bs: int, heads: int = HEADS, dtype: torch.dtype = torch.float32) -> KVGeometry:

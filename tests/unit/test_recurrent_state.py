@@ -75,14 +75,14 @@ def test_state_crosses_a_real_shm_segment_into_another_engines_block():
         peer = SharedSegment(name, 1 << 22, create=False)  # the decode's read-only mapping
         untouched = [t[2].clone() for layer in decode.layers for t in layer]
         staged = fmt.state_region(peer.tensor[: fmt.request_bytes(n)], n)
-        decode.load(staged, ([6], [9, 10, 11]))
+        decode.load(staged, ([6], [9, 10, 11]), 1, 0)  # from a prefill of TP 1
         for p_layer, d_layer in zip(prefill.layers, decode.layers, strict=True):
             for p, d in zip(p_layer, d_layer, strict=True):
                 assert torch.equal(d[6], p[5])
         after = [t[2] for layer in decode.layers for t in layer]
         assert all(torch.equal(a, b) for a, b in zip(after, untouched, strict=True))
         with pytest.raises(ValueError, match="state region of"):
-            decode.load(staged[:-4], ([6], [9]))
+            decode.load(staged[:-4], ([6], [9]), 1, 0)
         peer.close()
     finally:
         own.close()

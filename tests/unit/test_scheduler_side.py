@@ -588,9 +588,7 @@ def test_staging_freed_only_after_every_read_pair(heads, src_tp, dst_tp):
     try:
         sched.add_request(make_request("q1", 40, {"do_remote_decode": True}))
         step(sched)
-        pairs = [
-            (d, s.src_rank) for d in range(dst_tp) for s in head_sources(heads, src_tp, dst_tp, d)
-        ]
+        pairs = [(d, s) for d in range(dst_tp) for s in head_sources(heads, src_tp, dst_tp, d)]
         assert len(pairs) >= 2
         for i, (d, src) in enumerate(pairs):
             assert side.pool.has("q1"), f"freed before read {i} of {len(pairs)}"

@@ -13,9 +13,8 @@ def test_every_needed_head_read_exactly_once(total, src_tp, dst_tp):
     for dst in range(dst_tp):
         want = list(heads_of_rank(total, dst_tp, dst))
         got = []
-        for s in head_sources(total, src_tp, dst_tp, dst):
-            have = heads_of_rank(total, src_tp, s.src_rank)
-            h = s.heads
+        for src, h in head_sources(total, src_tp, dst_tp, dst).items():
+            have = heads_of_rank(total, src_tp, src)
             got += [have.start + i for i in range(h.start, h.stop)]
             assert list(range(h.dst_start, h.dst_start + h.stop - h.start)) == [
                 g - want[0] for g in got[-(h.stop - h.start) :]
@@ -26,7 +25,7 @@ def test_every_needed_head_read_exactly_once(total, src_tp, dst_tp):
 def test_gqa_replicated_head_is_read_from_one_rank():
     # 2 KV heads over prefill TP 4: ranks 0,1 hold head 0; ranks 2,3 hold head 1.
     srcs = head_sources(2, 4, 1, 0)
-    assert [s.src_rank for s in srcs] == [0, 2]
+    assert list(srcs) == [0, 2]
 
 
 def test_uneven_split_is_refused():
@@ -37,5 +36,5 @@ def test_uneven_split_is_refused():
 @given(st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
 def test_sources_cover_decode_heads(total, src_tp, dst_tp):
     for dst in range(dst_tp):
-        n = sum(s.heads.stop - s.heads.start for s in head_sources(total, src_tp, dst_tp, dst))
+        n = sum(h.stop - h.start for h in head_sources(total, src_tp, dst_tp, dst).values())
         assert n == len(heads_of_rank(total, dst_tp, dst))

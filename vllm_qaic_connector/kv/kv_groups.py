@@ -155,13 +155,10 @@ def layer_groups(groups: Sequence[KVGroup], layer_names: Sequence[str]) -> tuple
     return tuple(group_of.get(name, 0) for name in layer_names)
 
 
-def layer_starts(
-    group_starts: Sequence[int], groups_of_layers: Sequence[int], num_layers: int
-) -> tuple[int, ...]:
-    """Each layer's first staged token, from its group's (empty: every layer from 0)."""
-    firsts = tuple(
-        group_starts[groups_of_layers[i] if groups_of_layers else 0] for i in range(num_layers)
-    )
+def layer_starts(group_starts: Sequence[int], groups_of_layers: Sequence[int]) -> tuple[int, ...]:
+    """Each layer's first staged token, from its group's (`layer_groups`); empty where every
+    layer stages from token 0."""
+    firsts = tuple(group_starts[g] for g in groups_of_layers)
     return firsts if any(firsts) else ()
 
 

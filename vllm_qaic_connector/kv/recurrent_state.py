@@ -44,11 +44,9 @@ class Split:
         among = overlapping_ranks(src_tp, dst_tp, dst_rank)
         runs, src_at, dst_at = [], 0, 0
         for units, width in self.segments:
-            for s in head_sources(units, src_tp, dst_tp, dst_rank, among):
-                if s.src_rank == src_rank:
-                    h = s.heads
-                    runs.append((src_at + h.start * width, dst_at + h.dst_start * width,
-                                 (h.stop - h.start) * width))  # fmt: skip
+            if h := head_sources(units, src_tp, dst_tp, dst_rank, among).get(src_rank):
+                runs.append((src_at + h.start * width, dst_at + h.dst_start * width,
+                             (h.stop - h.start) * width))  # fmt: skip
             src_at += len(heads_of_rank(units, src_tp, src_rank)) * width
             dst_at += len(heads_of_rank(units, dst_tp, dst_rank)) * width
         return runs
@@ -179,12 +177,10 @@ class RecurrentState:
         return region.numel()
 
     def load(
-        self, region: torch.Tensor, block_ids: Sequence[Sequence[int]], src_tp: int | None = None,
-        src_rank: int | None = None,
-    ) -> int:  # fmt: skip
-        """Takes this rank's part of what ``src_rank`` of ``src_tp`` staged (by default a
-        rank like this one); returns bytes copied."""
-        src_tp, src_rank = src_tp or self.tp_size, self.tp_rank if src_rank is None else src_rank
+        self, region: torch.Tensor, block_ids: Sequence[Sequence[int]], src_tp: int, src_rank: int
+    ) -> int:
+        """Takes this rank's part of what ``src_rank`` of ``src_tp`` staged; returns bytes
+        copied."""
         copied = 0
         for state, split, staged in self._staged(block_ids, region, src_tp, src_rank):
             for s_at, d_at, n in split.runs(src_tp, src_rank, self.tp_size, self.tp_rank):

@@ -41,5 +41,5 @@ class StagingTarget:
         """The most a request of ``num_tokens`` can stage: none of its blocks dropped yet."""
         starts = staged_starts(groups, num_tokens, self.block_size, (0,) * len(groups))
         n, geometry = len(layer_groups), dataclasses.replace(geometry, block_size=self.block_size)
-        firsts = layer_starts(starts, layer_groups, n)
+        firsts = layer_starts(starts, layer_groups)
         return StagingFormat(self.layout_kind, geometry, n, firsts, state_bytes(groups))

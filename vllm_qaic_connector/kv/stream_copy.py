@@ -70,11 +70,9 @@ class BlockTiles:
         _run(_native_tiles, src, dst, self)
 
 
-def _run(
-    native: Callable[..., None] | None, src: np.ndarray, dst: np.ndarray, plan: object
-) -> None:
-    assert native is not None, "block plans need the native _stream_copy (layout checks NATIVE)"
-    native(np.ascontiguousarray(dst, dtype=np.uint64), np.ascontiguousarray(src, dtype=np.uint64),
+def _run(copy: Callable[..., None] | None, src: np.ndarray, dst: np.ndarray, plan: object) -> None:
+    assert copy is not None, "block plans need the native _stream_copy (layout checks NATIVE)"
+    copy(np.ascontiguousarray(dst, dtype=np.uint64), np.ascontiguousarray(src, dtype=np.uint64),
            *vars(plan).values())  # fmt: skip
 
 

@@ -71,7 +71,6 @@ def copy_layers(
     nh = h.stop - h.start
     if h.dst_start + nh > k_out.shape[1] or h.stop > k.shape[1]:
         raise ValueError(f"head range {h} does not fit {k.shape[1]}->{k_out.shape[1]}")
-    ints = _INTS[k_out.element_size()]
     batches = _batches(t0, t1, src_bs, dst_bs, dst_t0, src_blocks, dst_blocks,
                        k.shape[0], k_out.shape[0])  # fmt: skip
     for plane in (0, 1):
@@ -81,18 +80,15 @@ def copy_layers(
         # length and every layer's blocks as addresses from the layers' bases.
         # Bytes are copied there: another dtype is converted by torch, in the same one pass.
         bytewise = NATIVE and k.dtype == k_out.dtype and _one_cpu_shape(s_, d_)
-        bases = (_bases(s_), _bases(d_)) if bytewise else None
         for b in batches:
-            plan = _native_plan(s_[0], d_[0], b.n) if bases else None
-            if plan and bases:
-                plan.copy(_addresses(s_[0], bases[0], b.src_ids, b.src_at),
-                          _addresses(d_[0], bases[1], b.dst_ids, b.dst_at))  # fmt: skip
+            if plan := (_native_plan(s_[0], d_[0], b.n) if bytewise else None):
+                plan.copy(_addresses(s_, b.src_ids, b.src_at), _addresses(d_, b.dst_ids, b.dst_at))
                 continue
             for so, do, src_ids, dst_ids in b.parts:
                 src_ids, dst_ids = _on(src_ids, k.device), _on(dst_ids, k_out.device)
                 for s_one, d_one in _layer_pairs(s_, d_):
                     _copy_one_layer(s_one[:, :, so : so + b.n], src_ids,
-                                    d_one[:, :, do : do + b.n], dst_ids, ints)  # fmt: skip
+                                    d_one[:, :, do : do + b.n], dst_ids)  # fmt: skip
     return tokens_bytes(dst, t0, t1, h)
 
 
@@ -171,8 +167,8 @@ def _block_plan(dims: tuple[tuple[int, int, int], ...], item: int) -> BlockRows 
     return block_rows(list(dims), item) or block_tiles(list(dims), item)
 
 
-def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index,
-                    ints: torch.dtype) -> None:  # fmt: skip
+def _copy_one_layer(s_: torch.Tensor, src_ids: _Index, d_: torch.Tensor, dst_ids: _Index) -> None:
+    ints = _INTS[d_.element_size()]
     if s_.dtype != d_.dtype:  # converted as it is written (a float16 QAIC program's slot)
         d_[dst_ids] = s_[src_ids].to(d_.device)
     elif s_.device.type != "cpu" or d_.device.type != "cpu":  # a GPU's: its gathers, as ints
@@ -267,15 +263,10 @@ def _one_cpu_shape(src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> 
     )
 
 
-def _bases(views: Sequence[torch.Tensor]) -> np.ndarray:
-    return np.array([v.data_ptr() for v in views], dtype=np.int64)
-
-
-def _addresses(
-    view: torch.Tensor, bases: np.ndarray, ids: np.ndarray, at: np.ndarray
-) -> np.ndarray:
-    """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view starting at
-    ``bases`` (of ``view``'s shape and strides), view by view (`_batches` checked the ids)."""
+def _addresses(views: Sequence[torch.Tensor], ids: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Byte addresses of token ``at[i]`` of block ``ids[i]`` of every view (of one shape and
+    strides), view by view (`_batches` checked the ids)."""
+    view, bases = views[0], np.array([v.data_ptr() for v in views], dtype=np.int64)
     offsets = (ids * view.stride(0) + at * view.stride(2)) * view.element_size()
     return np.add.outer(bases, offsets).ravel().astype(np.uint64)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from vllm_qaic_connector.kv.token_copies import HeadRange
 
@@ -22,29 +21,21 @@ def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-@dataclass(frozen=True)
-class HeadSource:
-    """Read ``heads`` (local to ``src_rank``, placed at ``heads.dst_start`` locally)."""
-
-    src_rank: int
-    heads: HeadRange
-
-
 def head_sources(
     total_heads: int, src_tp: int, dst_tp: int, dst_rank: int, among: Sequence[int] = ()
-) -> list[HeadSource]:
-    """The minimal set of (prefill rank, head range) reads that fill one decode rank.
-    A head replicated on several prefill ranks is read once, from the first (of ``among``,
-    when given: the ranks read anyway)."""
+) -> dict[int, HeadRange]:
+    """The minimal set of reads that fill one decode rank: each prefill rank read, in rank
+    order, with its heads to read (local to it, placed at ``dst_start`` locally). A head
+    replicated on several prefill ranks is read once, from the first (of ``among``, when
+    given: the ranks read anyway)."""
     want = heads_of_rank(total_heads, dst_tp, dst_rank)
-    sources: list[HeadSource] = []
+    sources: dict[int, HeadRange] = {}
     next_head = want.start
     for src in among or range(src_tp):
         have = heads_of_rank(total_heads, src_tp, src)
         lo, hi = max(next_head, have.start), min(want.stop, have.stop)
         if lo < hi:
-            heads = HeadRange(lo - have.start, hi - have.start, lo - want.start)
-            sources.append(HeadSource(src, heads))
+            sources[src] = HeadRange(lo - have.start, hi - have.start, lo - want.start)
             next_head = hi
     if next_head != want.stop:
         raise ValueError(f"TP {src_tp}->{dst_tp}: no prefill rank holds heads {next_head}..")
@@ -63,7 +54,7 @@ def source_ranks(
 ) -> list[int]:
     """Every prefill rank a decode rank reads: those holding its KV heads and, for a model
     with recurrent state, those holding part of its state."""
-    ranks = {s.src_rank for s in head_sources(total_heads, src_tp, dst_tp, dst_rank)}
+    ranks = set(head_sources(total_heads, src_tp, dst_tp, dst_rank))
     if state:
         ranks.update(overlapping_ranks(src_tp, dst_tp, dst_rank))
     return sorted(ranks)

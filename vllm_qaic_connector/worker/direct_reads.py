@@ -64,8 +64,7 @@ def cache_ranges(
         raise ValueError("direct reads need our layers in one shape and stride")
     theirs = BlockExtents.of(cache.shape, cache.strides, dim)
     ours = BlockExtents.of(first.shape, first.stride(), dim)
-    runs, item = block_runs(*blocks), first.element_size()
-    frm, to, sizes = block_ranges(theirs, ours, runs, item)
+    frm, to, sizes = block_ranges(theirs, ours, block_runs(*blocks), first.element_size())
     # The layers share one plan, shifted to each layer's base; range by range, every layer
     # in turn, so a cross-layer layout's block of every layer joins into one range.
     src_at = frm[:, None] + np.asarray(src_bases, dtype=np.int64)
@@ -163,11 +162,6 @@ class DirectReader:
             cache = self._caches.pop(owner, None)
         if cache is not None:
             cache.close()
-
-    @property
-    def owners(self) -> list[str]:
-        with self._lock:
-            return list(self._caches)
 
     def drop_dead(self) -> None:
         """Unmaps the caches of prefills that exited (cheap: a poll per mapped cache)."""

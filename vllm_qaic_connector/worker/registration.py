@@ -13,7 +13,6 @@ import torch
 
 from vllm_qaic_connector.kv.kv_groups import (
     KVGroup,
-    attention_geometry,
     in_layer_order,
     layer_groups,
     layer_starts,
@@ -22,7 +21,7 @@ from vllm_qaic_connector.kv.kv_groups import (
 from vllm_qaic_connector.kv.layout_probe import resolved_layout
 from vllm_qaic_connector.kv.recurrent_state import RecurrentState
 from vllm_qaic_connector.kv.staging_format import StagingFormat
-from vllm_qaic_connector.layout import KVGeometry, KVLayout
+from vllm_qaic_connector.layout import KV, KVGeometry, KVLayout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import checkpoint_fingerprint, checkpoint_folder, kv_settings
 from vllm_qaic_connector.protocol.wire import (
@@ -34,11 +33,8 @@ from vllm_qaic_connector.protocol.wire import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 logger = get_logger(__name__)
-
-Views = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -62,9 +58,9 @@ class LocalCache:
 
     layout: KVLayout
     geometry: KVGeometry
-    layers: list[Views]  # each attention layer's canonical K and V views
+    layers: list[KV]  # each attention layer's canonical K and V views
     tensors: list[torch.Tensor]  # physical, as vLLM registered them
-    layer_groups: tuple[int, ...] = ()  # each layer's KV cache group (empty: one group)
+    layer_groups: tuple[int, ...]  # each layer's KV cache group
     state: RecurrentState | None = None  # Mamba layers' state, if the model has any
     names: tuple[str, ...] = ()  # each layer's name in vLLM, in the order peers share
 
@@ -73,21 +69,21 @@ class LocalCache:
         return self.tensors[0].device if self.tensors else torch.device("cpu")
 
     def group(self, layer: int) -> int:
-        return self.layer_groups[layer] if self.layer_groups else 0
+        return self.layer_groups[layer]
 
     def staging_format(
         self,
         kind: str,
         geometry: KVGeometry,
-        num_layers: int,
         group_starts: tuple[int, ...],
         tp: tuple[int, int] | None = None,
     ) -> StagingFormat:
-        """A staged request's format; ``group_starts``: its first staged token per group;
+        """A staged request's format, of this cache's layers (a peer's count is the same:
+        the handshake checks it); ``group_starts``: its first staged token per group;
         ``tp``: (size, rank) of the rank that staged it, if not this one."""
-        firsts = layer_starts(group_starts, self.layer_groups, num_layers)
+        firsts = layer_starts(group_starts, self.layer_groups)
         state = self.state.nbytes(*(tp or (None, None))) if self.state else 0
-        return StagingFormat(kind, geometry, num_layers, firsts, state)
+        return StagingFormat(kind, geometry, len(self.layers), firsts, state)
 
 
 SSM_GROUP_KEYS = ("mamba_n_groups", "n_groups", "mamba_ngroups")  # spellings in HF configs
@@ -122,17 +118,15 @@ def drafter_of(vllm_config: VllmConfig) -> str:
     return f"{spec.method}:{weights_fingerprint(vllm_config, draft) or draft.model}"
 
 
-def rank_of(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
-) -> tuple[RankIdentity, KVGeometry]:
-    """This rank's identity and the shape of its attention layers' KV."""
+def rank_of(vllm_config: VllmConfig) -> RankIdentity:
+    """This rank's identity."""
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     ktc = vllm_config.kv_transfer_config
     assert ktc is not None
     model_cfg = vllm_config.model_config
     hf = model_cfg.hf_text_config
-    identity = RankIdentity(
+    return RankIdentity(
         engine_id=str(ktc.engine_id),
         tp_rank=get_tensor_model_parallel_rank(),
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
@@ -145,7 +139,6 @@ def rank_of(
             (v for k in SSM_GROUP_KEYS if isinstance(v := getattr(hf, k, None), int)), None
         ),
     )
-    return identity, attention_geometry(kv_cache_config)
 
 
 def local_cache(

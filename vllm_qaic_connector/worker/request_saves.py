@@ -91,9 +91,8 @@ class RequestSaves:
         self._await_saves -= done
         for rid in done:
             self._saving.pop(rid, None)
-        done |= self._released_direct
-        self._released_direct = set()
-        return done
+        released, self._released_direct = self._released_direct, set()
+        return done | released
 
     def take_stats(self) -> QAICConnectorStats:
         with self._stats_lock:
@@ -125,7 +124,7 @@ class RequestSaves:
         """Copy a prompt's KV (or a chunk of it) into staging; the cache is only read."""
         cache = self.cache
         geometry = dataclasses.replace(cache.geometry, block_size=spec.block_size)
-        fmt = cache.staging_format(spec.layout_kind, geometry, len(cache.layers), spec.starts)
+        fmt = cache.staging_format(spec.layout_kind, geometry, spec.starts)
         start = spec.staging_offset
         end = start + HEADER_BYTES + fmt.request_bytes(spec.num_tokens)
         staged_blocks = list(range(blocks_for_tokens(spec.num_tokens, fmt.geometry.block_size)))
