@@ -740,7 +740,6 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert freed, f"{c.prefill.metric(PAGES_IN_USE)} staging pages still in use"
 
-    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_decode_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "decode")
 
@@ -766,7 +765,6 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert loaded == 0
 
-    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "prefill")
 
@@ -989,11 +987,9 @@ class TestShm:
             d.kill(signal.SIGTERM)
             d.wait_gone(15)
 
-    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_draft_model_s_kv_keeps_its_place(self, shm_cluster: Cluster) -> None:
         check_draft_model_handoff(shm_cluster)
 
-    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
         self, shm_cluster: Cluster
     ) -> None:
@@ -1290,6 +1286,5 @@ class TestNixl:
         prefill reads from an agent that is gone."""
         check_prefill_killed_before_read(nixl_cluster)
 
-    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, nixl_cluster: Cluster) -> None:
         check_restart(nixl_cluster, "prefill")
