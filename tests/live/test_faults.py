@@ -225,6 +225,52 @@ def finish_cluster(cluster: Cluster, failed: bool) -> None:
     assert report.clean, f"the {cluster.transport} run left things behind: {report.problems()}"
 
 
+RUNNING = "vllm:num_requests_running"
+CLEAN_WAIT_S = 30.0  # what an idle engine may take to finish aborted requests
+
+
+def left_clean(c: Cluster) -> list[str]:
+    """What a case left behind on the shared set: an engine that runs but does not answer
+    /health, staging pages still held after the lease (a step to expire them: one plain
+    request, which stages nothing), requests still running or waiting. Engines a case
+    killed stay down: the next case that needs one restarts it (`Cluster.ensure`)."""
+    problems = []
+    engines = [s for s in (c.prefill, c.decode, c.decode_fail) if s.alive()]
+    for s in list(engines):
+        try:
+            healthy = requests.get(f"{s.url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            healthy = False
+        if not healthy:
+            problems.append(f"{s.name} runs but is not healthy")
+            engines.remove(s)
+    if c.prefill in engines and c.prefill.metric(PAGES_IN_USE, 0.0) > 0:
+        time.sleep(LEASE_S)  # leases a case let run out: expired at the next step
+        complete(c.prefill.url, "a b", max_tokens=1)
+        freed, _ = poll_until(lambda: c.prefill.metric(PAGES_IN_USE, 0.0) == 0, LEASE_S + 8)
+        if not freed:
+            problems.append(f"prefill holds {c.prefill.metric(PAGES_IN_USE)} staging pages")
+    for s in engines:
+        idle, _ = poll_until(
+            lambda s=s: s.metric(RUNNING, 0.0) + s.metric(WAITING, 0.0) == 0, CLEAN_WAIT_S
+        )
+        if not idle:
+            problems.append(f"{s.name} still has requests running or waiting")
+    return problems
+
+
+def check_left_clean(c: Cluster) -> None:
+    """After each case: a dirty set fails the case that left it so, and the engines it
+    left dirty are killed, for the next case to start afresh."""
+    problems = left_clean(c)
+    if problems:
+        for s in (c.prefill, c.decode, c.decode_fail):
+            if any(p.startswith(f"{s.name} ") for p in problems):
+                s.kill()
+                s.wait_gone(15)
+        pytest.fail(f"the case left the shared {c.transport} set dirty: {problems}")
+
+
 @pytest.fixture(scope="class")
 def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     cluster = start_cluster("faultshm", "shm", keyed=False)
@@ -517,6 +563,11 @@ class BlackHole:
 
 
 class TestShm:
+    @pytest.fixture(autouse=True)
+    def _left_clean(self, shm_cluster: Cluster) -> Iterator[None]:
+        yield
+        check_left_clean(shm_cluster)
+
     def test_0_happy_path(self, shm_cluster: Cluster) -> None:
         check_happy_path(shm_cluster)
 
@@ -1181,6 +1232,11 @@ class TestShm:
 
 
 class TestNixl:
+    @pytest.fixture(autouse=True)
+    def _left_clean(self, nixl_cluster: Cluster) -> Iterator[None]:
+        yield
+        check_left_clean(nixl_cluster)
+
     def test_0_happy_path(self, nixl_cluster: Cluster) -> None:
         check_happy_path(nixl_cluster)
 
