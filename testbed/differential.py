@@ -29,7 +29,7 @@ What it draws (each option with its own probability, so that 30 requests still s
   that close a stream after its first event.
 
 And it sees the transfers: every answer through the proxy must carry no ticket (a non-null
-``kv_transfer_params`` at any depth, whole or streamed); the first fleet's decode runs
+``kv_transfer_params`` at any depth, whole or streamed); each fleet's decode runs
 ``kv_load_failure_policy: fail`` (a failed load is an error answer, found at its request;
 a decode that keeps turns must recompute); after each fleet's run the decode's loaded
 requests must have grown by the handoffs the requests imply (`handoffs`), with no load

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import statistics
@@ -28,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -41,6 +42,7 @@ from testbed.live_servers import (
     Server,
     Streamed,
     VllmServer,
+    adopt_server,
     complete,
     completion_body,
     copy_prompts,
@@ -55,6 +57,7 @@ from testbed.live_servers import (
     outcome,
     poll_until,
     random_model,
+    server_record,
     stage,
     stream_completion,
     token_ids,
@@ -271,22 +274,58 @@ def check_left_clean(c: Cluster) -> None:
         pytest.fail(f"the case left the shared {c.transport} set dirty: {problems}")
 
 
-@pytest.fixture(scope="class")
-def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    cluster = start_cluster("faultshm", "shm", keyed=False)
+# The two sets, by transport: (label, keyed, IPv6). IPv6 runs nowhere else.
+SETS = {"shm": ("faultshm", False, False), "nixl": ("faultnixl", True, True)}
+FLEET_ENV = "LIVE_FLEET"  # a set kept running by tests/live/fleet.py: its record's file
+ROLES = ("prefill", "decode", "decode_fail", "proxy")
+
+
+def start_set(transport: str) -> Cluster:
+    label, keyed, ipv6 = SETS[transport]
+    return start_cluster(label, transport, keyed, ipv6)
+
+
+def cluster_record(c: Cluster) -> dict[str, Any]:
+    """What another process needs to run cases on ``c`` (`adopt_cluster`)."""
+    servers = {role: server_record(getattr(c, role)) for role in ROLES}
+    return {"transport": c.transport, "ipv6": c.ipv6, "prompt_seed": c.prompt_seed,
+            "dir": str(c.run.dir), "tag": c.run.tag, **servers}  # fmt: skip
+
+
+def adopt_cluster(record: dict[str, Any]) -> Cluster:
+    run = LiveRun.kept(Path(record["dir"]), record["tag"])
+    servers = [adopt_server(record[role], run.dir) for role in ROLES]
+    prefill, decode, decode_fail = (cast(VllmServer, s) for s in servers[:3])
+    return Cluster(run, record["transport"], prefill, decode, decode_fail, servers[3],
+                   record["ipv6"], record["prompt_seed"])  # fmt: skip
+
+
+def shared_set(request: pytest.FixtureRequest, transport: str) -> Iterator[Cluster]:
+    """The class's set, started once for its cases; or the one that ``LIVE_FLEET`` names,
+    if of this transport, kept running after the cases (their restarts written back)."""
+    kept = os.environ.get(FLEET_ENV)
+    record = json.loads(Path(kept).read_text()) if kept else {}
+    if kept and record["transport"] == transport:
+        cluster = adopt_cluster(record)
+        yield cluster
+        Path(kept).write_text(json.dumps(cluster_record(cluster)))
+        return
+    cluster = start_set(transport)
     failed = request.session.testsfailed
     yield cluster
     finish_cluster(cluster, request.session.testsfailed > failed)
+
+
+@pytest.fixture(scope="class")
+def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    yield from shared_set(request, "shm")
 
 
 @pytest.fixture(scope="class")
 def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
 
-    cluster = start_cluster("faultnixl", "nixl", keyed=True, ipv6=True)  # IPv6 nowhere else
-    failed = request.session.testsfailed
-    yield cluster
-    finish_cluster(cluster, request.session.testsfailed > failed)
+    yield from shared_set(request, "nixl")
 
 
 # --- cases shared by both transports -----------------------------------------------------------
