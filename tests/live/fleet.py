@@ -1,5 +1,6 @@
-"""Keeps one of test_faults.py's shared server sets running, so that its cases can run
-against it again and again without starting it (docs/testing.md):
+"""Keeps one of test_faults.py's shared server sets running, for its cases to run on.
+
+Cases run against it again and again without starting it (docs/testing.md):
 
     python -m tests.live.fleet shm /tmp/shm-fleet.json     # prints LIVE_FLEET=..., waits
     LIVE_FLEET=/tmp/shm-fleet.json pytest tests/live/test_faults.py::TestShm::test_0_happy_path
@@ -18,6 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
+import tests.conftest  # noqa: F401  (the suite's environment, which the servers inherit)
 from testbed.live_servers import Adopted
 from tests.live.test_faults import ROLES, SETS, cluster_record, start_set
 
