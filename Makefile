@@ -76,3 +76,16 @@ compare-turns: setup
 .PHONY: goodput
 goodput: setup
 	$(PY) -m benchmarks.goodput --json runs/goodput.json --plot runs/goodput.png
+
+# Issue #71, point 3: the handoff's share of TTFT by prompt length (128 to 4k tokens) on a
+# scaled random model, shm and NIXL, the decode's block size the prefill's or another.
+.PHONY: handoff-share
+handoff-share: setup
+	$(PY) -m benchmarks.handoff_share --json runs/handoff_share.json --plot runs/handoff_share.png
+
+# Issue #73: 1P1D behind Dynamo 1.6.1 (frontend + KV router, file discovery, ZMQ KV events)
+# on one host, from a venv of its own over .venv's packages (docs/routing.md, "Dynamo").
+.PHONY: dynamo
+dynamo: setup
+	bash scripts/setup_dynamo_env.sh
+	$(PY) -m testbed.dynamo_up --prompts $${PROMPTS:-4}

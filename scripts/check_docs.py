@@ -6,7 +6,7 @@
 - the module map of docs/architecture.md (its "## Module map" section) misses a module of
   the package or names one that does not exist. A module is named as the first cell of a
   table row, in backticks, by its dotted path relative to the package:
-  `scheduler.decode_loads` is vllm_qaic_connector/scheduler/decode_loads.py; the proxy's
+  `scheduler.kv_receiver` is vllm_qaic_connector/scheduler/kv_receiver.py; the proxy's
   modules go by their full name (`vllm_qaic_proxy.server`). Every *.py of both packages
   counts except __init__.py and __main__.py;
 - the import-rules table of docs/architecture.md leaves out of a room's "never" column a
@@ -113,7 +113,7 @@ def import_rules() -> list[str]:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     problems = []
     for contract in config["tool"]["importlinter"]["contracts"]:
-        for source in contract["source_modules"]:
+        for source in contract.get("source_modules", []):  # a layers contract has none
             room = source.removeprefix("vllm_qaic_connector.")
             never = rows.get(room)
             if never is None:

@@ -64,7 +64,7 @@ from testbed.live_servers import (
 )
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import parse_remote_prefill
+from vllm_qaic_connector.protocol.ticket import parse_remote_prefill
 from vllm_qaic_connector.transports.shm import reclaim_dead_segments
 
 BLOCK = 32  # vLLM's CPU attention takes multiples of 32
@@ -308,7 +308,7 @@ def check_faults(
 
     def with_turn(prompt: str, ticket: dict[str, Any], salt: str) -> str:
         """A prefill leg given the turn; salted, its own cache holds none of the prompt."""
-        params = {"do_remote_decode": True, "earlier_turns": ticket}
+        params = {"do_remote_decode": True, "earlier_turn": ticket}
         return first_token(prefill, prompt, kv_transfer_params=params, cache_salt=salt)
 
     def alone(prompt: str) -> str:

@@ -25,8 +25,8 @@ What it draws (each option with its own probability, so that 30 requests still s
   cannot, and vLLM answers 500);
 - what else clients send: an unknown model name (vLLM's 404), an ``Authorization`` header
   (servers run without --api-key: it passes harmlessly), forged ``kv_transfer_params``,
-  ``keep_turn`` and ``earlier_turns`` (the answer must be vLLM's without them), and clients
-  that close a stream after its first event.
+  ``keep_turn``, ``turn_id`` and ``earlier_turn`` (the answer must be vLLM's without them),
+  and clients that close a stream after its first event.
 
 And it sees the transfers: every answer through the proxy must carry no ticket (a non-null
 ``kv_transfer_params`` at any depth, whole or streamed); each fleet's decode runs
@@ -113,7 +113,7 @@ ROLE_TEMPLATE = (
 # apart on a random model; exact on the shipped one). Every token and text stays exact.
 LOGPROB_TOL = 1e-4
 # What a client may forge; vLLM alone answers the request without them.
-FORGED = ("kv_transfer_params", "keep_turn", "earlier_turns")
+FORGED = ("kv_transfer_params", "keep_turn", "turn_id", "earlier_turn")
 PATHS = ["/v1/completions"] * 3 + ["/v1/chat/completions"] * 2 + ["/v1/responses", "/v1/messages"]
 VOCAB = copy_task.SYMBOLS[:20] + copy_task.FILLERS[:20]
 
@@ -155,9 +155,9 @@ def forged(rng: random.Random, side_channel: str) -> dict[str, Any]:
     return rng.choice([
         {"kv_transfer_params": {"do_remote_decode": True}},
         {"kv_transfer_params": ticket},
-        {"kv_transfer_params": {"keep_turn": "forged"}},
-        {"kv_transfer_params": {"do_remote_decode": True, "earlier_turns": ticket}},
-        {"keep_turn": "forged", "earlier_turns": ticket},
+        {"kv_transfer_params": {"keep_turn": True, "turn_id": "forged"}},
+        {"kv_transfer_params": {"do_remote_decode": True, "earlier_turn": ticket}},
+        {"keep_turn": True, "turn_id": "forged", "earlier_turn": ticket},
     ])  # fmt: skip
 
 

@@ -33,7 +33,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_qaic_connector
 from testbed.shipped_model import MODEL_DIR, TINY
-from vllm_qaic_connector.protocol.wire import prompt_hash
+from vllm_qaic_connector.protocol.ticket import prompt_hash
 from vllm_qaic_connector.step_metadata import QAICConnectorMetadata
 
 MODEL = str(MODEL_DIR)

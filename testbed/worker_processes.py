@@ -27,14 +27,13 @@ from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.kv.tp_mapping import heads_of_rank
 from vllm_qaic_connector.layout import KVGeometry, VllmPagedLayout, blocks_for_tokens, get_layout
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.ticket import RemotePrefill, ticket_binding
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
     Ok,
     ReleaseRequest,
-    RemotePrefill,
-    ticket_binding,
 )
 from vllm_qaic_connector.stats import QAICConnectorStats
 from vllm_qaic_connector.step_metadata import LoadSpec, QAICConnectorMetadata, SaveSpec
@@ -172,10 +171,12 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
     worker_side.IDLE_LOAD_WAIT_S = 60.0
     w.bind(QAICConnectorMetadata(loads=[spec], idle=args.get("idle", False)))
     w.start_load_kv()
+    # A load in the step is in place when start_load_kv returns (the forward pass follows).
+    at_return = by_group(w, spec.block_ids, spec.end)
     deadline, done = time.monotonic() + 60, None
     _, first = w.get_finished()
     done = first
-    while done is None and time.monotonic() < deadline:
+    while done is None and not spec.in_step and time.monotonic() < deadline:
         _, done = w.get_finished()
         time.sleep(0.01)
     errors = w.get_block_ids_with_load_errors()
@@ -188,6 +189,7 @@ def decode_rank(args: dict[str, Any], inbox: Any, outbox: Any) -> None:
             "first": first,
             "errors": errors,
             "got": got,
+            "at_return": at_return,
             "prefix_before": before,
             "null_untouched": all(
                 np.array_equal(a, b)
@@ -239,6 +241,7 @@ def run_handoff(
     idle=False,
     dtype="float32",
     device="cpu",
+    in_step=False,
 ):
     engine = f"pf{os.getpid()}"
     n_src_blocks = blocks_for_tokens(num_tokens, p_block)
@@ -320,7 +323,7 @@ def run_handoff(
     d_blocks = [list(range(3, 3 + blocks_for_tokens(claimed, d_block)))]
     load = LoadSpec(
         request_id="d1", block_ids=(d_blocks[0],), first_token=first_token, remote=remote,
-        holds_until=holds_until,
+        holds_until=holds_until, in_step=in_step,
     )  # fmt: skip
     if window:  # the decode keeps the window's blocks; vLLM's null block (0) pads the rest
         d_starts = load_starts(d_groups, claimed, first_token)

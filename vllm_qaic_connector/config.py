@@ -43,6 +43,10 @@ class ConnectorConfig(
     verify_cpu_layout: bool = True
     # Saves on a worker thread, off the engine's step; their blocks are held until done.
     async_saves: bool = True
+    # A shm load (one KV cache group) runs in the step that schedules its request, before
+    # the forward pass: its first token comes one or two engine steps sooner. Off by
+    # default: a prefill that hangs mid-handshake would hold every running request's step.
+    sync_loads: bool = False
     # Same layout, block size and TP: the decode copies the prompt's blocks out of the
     # prefill's KV cache, no staging copy. Over shm (one host, one user) on by default; over
     # NIXL it registers the whole KV cache with the agent, so any peer that completes a
@@ -154,10 +158,8 @@ def sized_staging(cfg: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) 
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a name: it may resolve anywhere
 

@@ -84,7 +84,7 @@ class QAICConnector(KVConnectorBase_V1, SupportsHMA):
         self._w().start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads are whole-request and asynchronous."""
+        """Nothing to wait for: whole-request loads, done in start_load_kv or async."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

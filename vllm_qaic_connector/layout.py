@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV, Tiling
-from vllm_qaic_connector.protocol.wire import LAYOUT_ALIASES, LAYOUT_KINDS
+from vllm_qaic_connector.cpu_packing import CPU_PACKINGS, PackedKV, Tiling
+from vllm_qaic_connector.protocol.names import LAYOUT_ALIASES, LAYOUT_KINDS
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ LAYOUTS |= {
 LAYOUTS[QaicSlotLayout.kind] = QaicSlotLayout()
 LAYOUTS[MlaLatentLayout.kind] = MlaLatentLayout()
 if tuple(LAYOUTS) != LAYOUT_KINDS:
-    raise ImportError("wire.LAYOUT_KINDS must name every layout, in order")
+    raise ImportError("names.LAYOUT_KINDS must name every layout, in order")
 
 
 def get_layout(kind: str) -> KVLayout:

@@ -1,7 +1,7 @@
 """Transfer tickets: proof that a staged region still holds what a decode was told it holds.
 
 Every staged region starts with a small header that repeats the region's generation and
-binds what its ticket names (`wire.ticket_binding`: tokens, blocks, format), so a ticket
+binds what its ticket names (`ticket.ticket_binding`: tokens, blocks, format), so a ticket
 edited to name other blocks or more tokens is refused by the header itself. The prefill
 hands the generation out in ``kv_transfer_params`` (with its incarnation and a hash of the
 prompt's token ids). The writer zeroes a region's header before anything overwrites
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_qaic_connector.protocol.wire import UNBOUND, TransportEndpoint
+from vllm_qaic_connector.protocol.ticket import UNBOUND
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
 
 if TYPE_CHECKING:  # any transport: the scheduler half imports this module too
     from vllm_qaic_connector.transports.base import KVTransport
@@ -63,7 +64,7 @@ def header_generation(header: torch.Tensor) -> int:
 
 
 def header_binding(header: torch.Tensor) -> bytes:
-    """What a sealed region's header binds (`wire.ticket_binding`)."""
+    """What a sealed region's header binds (`ticket.ticket_binding`)."""
     return bytes(header[24 : 24 + len(UNBOUND)].tolist())
 
 
@@ -147,7 +148,7 @@ def checked_read(
 ) -> Iterator[torch.Tensor]:
     """Yields a staged region's KV bytes; raises StaleTicket if the header did not hold
     ``generation`` both before the read and after the caller's copy, or binds other than
-    ``binding`` (the ticket's `wire.ticket_binding`). ``notify`` travels
+    ``binding`` (the ticket's `ticket.ticket_binding`). ``notify`` travels
     with the final header read, so the prefill frees the region only after both checks.
     ``nbytes`` 0 reads the header alone, for a caller that moves the bytes itself (a READ
     straight into its own memory): it is checked before and after the body of the ``with``."""

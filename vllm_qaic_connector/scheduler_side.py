@@ -1,6 +1,7 @@
-"""The scheduler half: a decode's loads (`decode_loads`), a prefill's handoffs
-(`prefill_handoffs`), a decode's kept turns (`kept_turns`), and the side-channel listener
-they answer on. It holds no tensors, layouts or transports."""
+"""The scheduler half, by the direction KV moves: what leaves this engine (`kv_sender`: a
+prefill's handoffs, and the blocks and tickets of a decode's `kept_turns`), what arrives
+(`kv_receiver`: a decode's loads, a prefill's load of an earlier turn), and the
+side-channel listener they answer on. It holds no tensors, layouts or transports."""
 
 from __future__ import annotations
 
@@ -10,26 +11,15 @@ from typing import TYPE_CHECKING, Any
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
 from vllm_qaic_connector.kv.kv_groups import attention_geometry, groups_of, has_state
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol import wire
 from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.routed_params import NOT_ROUTED, RoutedParams, routed_params
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
-from vllm_qaic_connector.protocol.wire import (
-    ErrorReply,
-    HandshakeRequest,
-    Message,
-    Ok,
-    RankMetadata,
-    ReleaseRequest,
-    Renewed,
-    RenewRequest,
-    TurnReply,
-    TurnRequest,
-    handshake_reply,
-)
-from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
 from vllm_qaic_connector.scheduler.kept_turns import KeptTurns
-from vllm_qaic_connector.scheduler.prefill_handoffs import (
-    PrefillEngine,
-    PrefillHandoffs,
+from vllm_qaic_connector.scheduler.kv_receiver import KVReceiver
+from vllm_qaic_connector.scheduler.kv_sender import (
+    KVSender,
+    LocalEngine,
     answer_cap,
 )
 from vllm_qaic_connector.scheduler.staging import StagingPool
@@ -74,9 +64,10 @@ class SchedulerSide:
         self.groups = groups_of(kv_cache_config)
         geometry = attention_geometry(kv_cache_config)
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
-        self._ranks: list[RankMetadata] = []
+        self._ranks: list[wire.RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step
-        self.loads = DecodeLoads(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
+        self._routed: dict[str, RoutedParams] = {}  # decoded on arrival, dropped at the end
+        self.receiver = KVReceiver(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
         # still holds a ticket of this engine's previous life).
@@ -87,12 +78,12 @@ class SchedulerSide:
             cfg.side_channel_port + vllm_config.parallel_config.data_parallel_index
         )
         self._server = SideChannelServer(cfg.side_channel_host, port, self._handle, cfg.shared_key)
-        engine = PrefillEngine(
+        engine = LocalEngine(
             self.engine_id, self.groups, geometry, kv_cache_config.num_blocks, self._server.port,
             answer_cap(vllm_config.model_config),
         )  # fmt: skip
-        self.handoffs = PrefillHandoffs(cfg, engine, self.releases, self.peers)
-        self.turns = KeptTurns(self.handoffs) if cfg.reuse_turns else None
+        self.sender = KVSender(cfg, engine, self.releases, self.peers)
+        self.turns = KeptTurns(self.sender) if cfg.reuse_turns else None
         if cfg.shared_key is None and not is_loopback(cfg.side_channel_host):
             logger.warning(
                 "QAICConnector: side channel on %s without a key (allow_unauthenticated): "
@@ -110,44 +101,57 @@ class SchedulerSide:
 
     # --- side channel --------------------------------------------------------------------
 
-    def set_rank_metadata(self, ranks: list[RankMetadata]) -> None:
+    def set_rank_metadata(self, ranks: list[wire.RankMetadata]) -> None:
         self._ranks = sorted(ranks, key=lambda r: r.tp_rank)
-        self.handoffs.ranks = self._ranks
+        self.sender.ranks = self._ranks
         self.peers.ours = self._ranks[0] if self._ranks else None
 
-    def _handle(self, msg: Message) -> Message:
-        if isinstance(msg, HandshakeRequest):
-            return handshake_reply(msg, self._ranks)
-        if isinstance(msg, ReleaseRequest):
+    def _handle(self, msg: wire.Message) -> wire.Message:
+        if isinstance(msg, wire.HandshakeRequest):
+            return wire.handshake_reply(msg, self._ranks)
+        if isinstance(msg, wire.ReleaseRequest):
             for rid in msg.request_ids:
                 self.releases.acknowledge(rid, msg, self._ranks)
             self.releases.expire()
-            return Ok()
-        if isinstance(msg, RenewRequest):
-            return Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
-        if isinstance(msg, TurnRequest):  # a stream's router, for the ticket of its turn
+            return wire.Ok()
+        if isinstance(msg, wire.RenewRequest):
+            return wire.Renewed([rid for rid in msg.request_ids if self.pool.renew(rid)])
+        if isinstance(msg, wire.TurnRequest):  # a stream's router, for the ticket of its turn
             named = self.turns.named if self.turns else {}
             if (ticket := named.get(msg.turn_id)) is None:
-                return ErrorReply(
+                return wire.ErrorReply(
                     f"no turn kept as {msg.turn_id!r}: never kept (reuse_turns off, aborted, "
                     "under a block, no room) or given up since (released, evicted, expired)"
                 )
-            return TurnReply(ticket)
-        return ErrorReply(f"unexpected message {type(msg).__name__}")
+            return wire.TurnReply(ticket)
+        return wire.ErrorReply(f"unexpected message {type(msg).__name__}")
+
+    def _routed_of(self, request: Request) -> RoutedParams:
+        """The request's ``kv_transfer_params``, decoded once (where vLLM hands it over), the
+        malformed refused by name: a prefill returns the refusal as its error, a decode fails
+        the load with it, for kv_load_failure_policy."""
+        if (routed := self._routed.get(request.request_id)) is None:
+            raw = request.kv_transfer_params
+            try:
+                routed = routed_params(raw)
+            except ValueError as exc:
+                logger.error("QAICConnector: request %s: %s", request.request_id, exc)
+                to_prefill = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
+                routed = RoutedParams(do_remote_decode=to_prefill, error=str(exc))
+            self._routed[request.request_id] = routed
+        return routed
 
     def on_new_request(self, request: Request) -> None:
         """A decode renews a ticket's lease from the request's arrival. A prefill for a
         model with Mamba layers stops one token short: the decode needs the state before
         the last prompt token, and recomputes that token from it."""
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
-            self.loads.arrived(request)
-        if not (self.is_producer and has_state(self.groups) and params):
+        routed = self._routed_of(request)
+        if routed.do_remote_prefill:
+            self.receiver.arrived(request)
+        if not (self.is_producer and routed.do_remote_decode and has_state(self.groups)):
             return
-        if params.get("do_remote_decode") and request.num_prompt_tokens > 1:
-            if request.prompt_token_ids is None:  # prompt embeddings: nothing to cut
-                return
-            del request.prompt_token_ids[-1]
+        if request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-1]  # (prompt embeddings: nothing to cut)
             del request._all_token_ids[-1]
             request.num_prompt_tokens -= 1
             request.max_tokens = 1
@@ -157,63 +161,65 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and self.is_producer:
-            admitted = self.handoffs.admit(request, params)
-            turn = params.get("earlier_turns") if self.cfg.reuse_turns else None
-            if admitted[0] is None or not isinstance(turn, dict):
+        routed = self._routed_of(request)
+        if routed.do_remote_decode and self.is_producer:
+            admitted = self.sender.admit(request, routed)
+            turn = routed.earlier_turn if self.cfg.reuse_turns else None
+            if admitted[0] is None or turn is None:
                 return admitted
-            return self.loads.claim(request, num_computed_tokens, turn)
+            return self.receiver.claim(request, num_computed_tokens, routed, turn)
         # A prefill that could not stage says so in the params; a router passes them on
         # as they are: a failed load, for kv_load_failure_policy, never a silent recompute.
-        if not params or not (params.get("do_remote_prefill") or params.get("error")):
+        if not (routed.do_remote_prefill or routed.error):
             return 0, False
-        return self.loads.claim(request, num_computed_tokens)
+        return self.receiver.claim(request, num_computed_tokens, routed)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params or {}
-        if params.get("do_remote_decode") and self.is_producer:
-            self.handoffs.will_save(request)
-        self.loads.allocated(request, blocks, num_external_tokens)
+        rid, routed = request.request_id, self._routed.get(request.request_id, NOT_ROUTED)
+        if routed.do_remote_decode and self.is_producer:
+            self.sender.will_save(request)
+        if self.receiver.allocated(request, blocks, num_external_tokens):
+            self._routed[rid] = routed.loaded()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
-        self.handoffs.kv_cache_manager = manager
+        self.sender.kv_cache_manager = manager
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> QAICConnectorMetadata:
         self.releases.expire()
         if self.turns:
             self.turns.evict()
-        released = self.handoffs.released_direct()  # before drain_freed
+        released = self.sender.released_direct()  # before drain_freed
         if released and self.turns:  # not every step: only when blocks went
             self.turns.forget()
         # Before the seals: a kept turn released by then is never sealed (`take_seals`).
         invalidate = self.pool.drain_freed()
         seals = self.turns.take_seals() if self.turns else []
         return QAICConnectorMetadata(
-            saves=seals + self.handoffs.saves_for_step(scheduler_output),
-            loads=self.loads.take(),
+            saves=seals + self.sender.saves_for_step(scheduler_output),
+            loads=self.receiver.take(),
             invalidate=invalidate,
-            await_saves=self.handoffs.take_await_saves(),
+            await_saves=self.sender.take_await_saves(),
             release_direct=released,
-            preempted=self.handoffs.preempted(scheduler_output),
+            preempted=self.sender.preempted(scheduler_output),
             idle=scheduler_output.total_num_scheduled_tokens == 0,
         )
 
     def update_connector_output(
-        self, finished_recving: set[str] | None, acks: list[ReleaseRequest]
+        self, finished_recving: set[str] | None, acks: list[wire.ReleaseRequest]
     ) -> None:
-        self.loads.received(finished_recving or set())
+        self.receiver.received(finished_recving or set())
         for ack in acks:  # acknowledgements that came with NIXL reads
             for rid in ack.request_ids:
                 self.releases.acknowledge(rid, ack, self._ranks)
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
-        loading = self.loads.finished(request.request_id)
-        if self.turns and not loading and not self.handoffs.outgoing(request.request_id):
-            return self.turns.keep(request)  # a decode's turn, not a prefill's handoff
-        return self.handoffs.finished(request, loading=loading)
+        routed = self._routed.pop(request.request_id, NOT_ROUTED)
+        loading = self.receiver.finished(request.request_id)
+        if self.turns and not loading and not self.sender.outgoing(request.request_id):
+            return self.turns.keep(request, routed)  # a decode's turn, not a handoff
+        return self.sender.finished(request, loading=loading)
 
     def has_pending_push_work(self) -> bool:
         """Staged KV held (or a gauge not yet told it went) within a while of the latest
@@ -224,7 +230,7 @@ class SchedulerSide:
         return held and time.monotonic() < self.pool.last_allocated + STEP_AFTER_STAGING_S
 
     def pool_stats(self) -> QAICConnectorStats:
-        stats, self.handoffs.stats = self.handoffs.stats, QAICConnectorStats()
+        stats, self.sender.stats = self.sender.stats, QAICConnectorStats()
         self._published_pages = self.pool.pages_in_use
         stats.set("staging_pages_in_use", self._published_pages)
         stats.set("staging_pages_total", self.pool.num_pages)
@@ -233,5 +239,5 @@ class SchedulerSide:
         return stats
 
     def shutdown(self) -> None:
-        self.loads.close()
+        self.receiver.close()
         self._server.close()

@@ -40,6 +40,7 @@ GAUGES = {
 # One sample per request; exported as Prometheus histograms ``vllm:qaic_kv_<name>``.
 HISTOGRAMS = {
     "load_seconds": "Time from a load's start to its KV in the decode's blocks",
+    "read_seconds": "Of a load's time, the transport's reads (NIXL READs; shm: none)",
     "save_seconds": "Time to stage a finished prompt's KV (prefill; direct: its ticket only)",
 }
 SECONDS_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from vllm_qaic_connector.protocol.wire import UNBOUND, RemotePrefill
+from vllm_qaic_connector.protocol.ticket import UNBOUND, RemotePrefill
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +49,7 @@ class LoadSpec:
     holds_until: float = 0.0  # unix time the staging lease is known to hold (0: unchecked)
     starts: tuple[int, ...] = ()  # empty: first_token for every group
     claimed: int = 0  # tokens claimed from the prefill (0: all it staged)
+    in_step: bool = False  # loaded before this step's forward pass, not reported finished
 
     def start(self, group: int) -> int:
         return self.starts[group] if self.starts else self.first_token

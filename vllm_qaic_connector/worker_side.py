@@ -76,10 +76,8 @@ class WorkerSide:
         geometry: KVGeometry,
         groups: tuple[KVGroup, ...] = (),
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.identity, self.geometry = cfg, identity, geometry
         self.groups = groups  # KV cache groups (empty: one, every layer in it)
-        self.identity = identity
-        self.geometry = geometry
         self.cache: LocalCache | None = None  # set by register_kv_caches
         self.layer_modules: dict[str, Any] = {}  # Mamba layers hold their state views
         self.layout_name: str | None = None  # the KV cache layout vLLM resolved
@@ -176,12 +174,14 @@ class WorkerSide:
             return
         for spec in self._metadata.loads:
             if spec.remote is None or spec.error is not None:
-                self._loader.submit(spec)  # fails at once
+                self._started.append(self._loader.submit(spec))  # fails at once
                 continue
             peer = (spec.remote.remote_host, spec.remote.remote_port)
             self.peers.poll(*peer)  # starts the handshake, or retries one that failed a while ago
             ready = functools.partial(self._peer_resolved, *peer)
             self._started.append(self._loader.submit(spec, peer, ready))
+        if any(spec.in_step for spec in self._metadata.loads):  # read by the forward pass next:
+            self._loader.wait(self._started, self._loader.timeout_s)  # up to their deadline
 
     def _peer_resolved(self, host: str, port: int) -> bool:
         # retry=False: a busy loader that looks late must not start the handshake over.
@@ -203,8 +203,13 @@ class WorkerSide:
             self._loader.wait(self._started, IDLE_LOAD_WAIT_S)
         self._started = []
         done: set[str] = set()
+        # Loads in the step are over by now (done, or failed at their deadline): vLLM runs
+        # their requests already, so they are never reported as finished.
+        loads = self._metadata.loads if self._metadata else []
+        in_step = {spec.request_id for spec in loads if spec.in_step}
         for result in self._loader.take_finished() if self._loader else ():
-            done.add(result.request_id)
+            if result.request_id not in in_step:
+                done.add(result.request_id)
             with self._stats_lock:
                 if result.failed_blocks:
                     self._stats.add("load_failures")
@@ -220,6 +225,7 @@ class WorkerSide:
                     self._stats.add("read_descriptors", result.reads)
                     self._stats.add("direct_reads", int(result.direct))
                     self._stats.sample("load_seconds", result.seconds)
+                    self._stats.sample("read_seconds", result.read_seconds)
         self._direct.drop_dead()
         sending = self.saves.finished_sending() if self.saves else set()
         return sending or None, done or None

@@ -9,10 +9,11 @@ is relayed to a decode as it is (`relayed`), but those that act on one engine of
 Tickets stay between the proxy and the engines. A ticket is a bearer token for KV in an
 engine's memory, so a client never supplies one: every body a client sends, on every route,
 loses its ``kv_transfer_params`` (where all of this connector's fields live: ``do_remote_*``,
-``keep_turn``, ``earlier_turns``, block ids...), also inside ``vllm_xargs``, which vLLM merges
-into the same request arguments (`from_client`, `relayed`). And a client never sees one: a
-ticket in an answer, whole or in a streamed event (a Responses event's ``response`` too), is
-null there, as vLLM alone answers (`taken`, `Events`); the proxy reads it first.
+``keep_turn``, ``turn_id``, ``earlier_turn``, block ids...), also inside ``vllm_xargs``, which
+vLLM merges into the same request arguments (`from_client`, `relayed`). And a client never
+sees one: a ticket in an answer, whole or in a streamed event (a Responses event's
+``response`` too), is null there, as vLLM alone answers (`taken`, `Events`); the proxy reads
+it first.
 """
 
 from __future__ import annotations

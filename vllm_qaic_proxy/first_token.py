@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_qaic_connector.protocol.wire import RemotePrefill, parse_remote_prefill
+from vllm_qaic_connector.protocol.ticket import RemotePrefill, parse_remote_prefill
 
 # Options whose meaning spans the first token (the decode alone would apply them to the
 # rest only) or that the answer would have to merge across the legs. Every field of vLLM's

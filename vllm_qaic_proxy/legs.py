@@ -24,7 +24,8 @@ import msgspec
 from aiohttp import web
 
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import TurnReply, TurnRequest, parse_remote_prefill
+from vllm_qaic_connector.protocol.ticket import parse_remote_prefill
+from vllm_qaic_connector.protocol.wire import TurnReply, TurnRequest
 from vllm_qaic_proxy import apis, first_token, prompt_lists
 from vllm_qaic_proxy.first_token import FirstToken
 from vllm_qaic_proxy.routing import LeastOutstanding

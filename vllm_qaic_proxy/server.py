@@ -137,7 +137,7 @@ class Proxy:
                     return await self._prefill_only(request, body, first, timing, sink)
             kept = None
             if keep := self.turns.asked(api, body, self._decode_kv[decode_url]):
-                params = {**(params or {}), "keep_turn": keep}
+                params = {**(params or {}), "keep_turn": True, "turn_id": keep}
                 kept = functools.partial(self._kept, api, body, client, keep)
             to_decode = {**body, "kv_transfer_params": params} if params else body
             if first is not None:
@@ -185,7 +185,7 @@ class Proxy:
             asked = {k: body[k] for k in first_token.MERGED if k in body}
             to_prefill.update(asked, return_token_ids=True)
         if turn := self.turns.take(api, body, client):
-            to_prefill["kv_transfer_params"]["earlier_turns"] = turn
+            to_prefill["kv_transfer_params"]["earlier_turn"] = turn
         auth, refusal = credentials(request), None
         try:
             prefilled = await self.legs.failover(

@@ -95,7 +95,7 @@ class Turns:
         return len(self._kept)
 
     def asked(self, api: Api, body: dict[str, Any], decode_kv: str) -> str | None:
-        """A fresh name to ask the decode to keep this turn as (``keep_turn``), or None. Its
+        """A fresh name to ask the decode to keep this turn as (``turn_id``), or None. Its
         ticket comes in a whole answer; a stream's (which carries none) from the decode's
         side channel ``decode_kv``, so without one a stream's turn is not asked."""
         kept = self.enabled and conversation(api, body) is not None

@@ -23,12 +23,12 @@ from aiohttp import web
 
 from testbed.ports import free_port
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.ticket import RemotePrefill
 from vllm_qaic_connector.protocol.wire import (
     ErrorReply,
     Message,
     Ok,
     ReleaseRequest,
-    RemotePrefill,
     TurnReply,
     TurnRequest,
 )
@@ -1229,14 +1229,14 @@ class TurnKeeper(Decode):
         self.go.set()  # streams come through at once
 
     async def complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        if name := (body.get("kv_transfer_params") or {}).get("keep_turn"):
+        if name := (body.get("kv_transfer_params") or {}).get("turn_id"):
             kept = staged(f"turn-{len(self.requests)}", self.side.server.port)
             self.side.turns[name] = msgspec.convert(kept, RemotePrefill)
         return await super().complete(request, body)
 
     def answer_for(self, body: dict[str, Any]) -> dict[str, Any]:
         answer = super().answer_for(body)
-        if name := (body.get("kv_transfer_params") or {}).get("keep_turn"):
+        if name := (body.get("kv_transfer_params") or {}).get("turn_id"):
             answer["kv_transfer_params"] = msgspec.to_builtins(self.side.turns[name])
         return answer
 
@@ -1252,12 +1252,12 @@ async def test_with_reuse_turns_the_next_turn_s_prefill_gets_the_kept_turn_and_i
             first = {**PROMPT, "prompt": "hi"}
             resp = await client.post("/v1/completions", json=first, headers=alice)
             said = (await resp.json())["choices"][0]["text"]
-            assert isinstance(decode.requests[0][1]["kv_transfer_params"]["keep_turn"], str)
+            assert isinstance(decode.requests[0][1]["kv_transfer_params"]["turn_id"], str)
             later = {**PROMPT, "prompt": f"hi{said} and then?"}
             await client.post("/v1/completions", json=later, headers=bob)  # not bob's turn
             await client.post("/v1/completions", json=later, headers=alice)
             await client.post("/v1/completions", json=later, headers=alice)  # taken once
-        turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+        turns = [body["kv_transfer_params"].get("earlier_turn") for _, body in prefill.requests]
         # The same prompt again continues the turn that the third request's answer ended.
         assert [t and t["remote_request_id"] for t in turns] == [None, None, "turn-1", "turn-3"]
         assert "turn-1" in await side.wait_released("turn-1")  # the decode may free it
@@ -1281,8 +1281,8 @@ async def test_with_reuse_turns_a_streamed_turn_s_ticket_comes_from_the_decode_s
             await kept_turns(made, 1 if decode_kv else 0)  # asked for after the stream ended
             later = {**PROMPT, "prompt": "hi there"}  # kept by its request's text alone
             await client.post("/v1/completions", json=later)
-        asked = decode.requests[0][1]["kv_transfer_params"].get("keep_turn")
-        turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+        asked = decode.requests[0][1]["kv_transfer_params"].get("turn_id")
+        turns = [body["kv_transfer_params"].get("earlier_turn") for _, body in prefill.requests]
         if not decode_kv:  # no side channel to ask: not kept
             assert asked is None and turns == [None, None]
             return
@@ -1304,8 +1304,8 @@ async def kept_turns(made: Proxy, n: int) -> None:
 # What a hostile client puts in a request: each connector field, and vLLM's side door to them
 # (vllm_xargs, merged into the same request arguments). Every value names "forged".
 FORGED = {
-    "do_remote_decode": True, "do_remote_prefill": True, "keep_turn": "forged",
-    "earlier_turns": {**staged("forged", 1), "block_ids": [0, 1, 2]}, "block_ids": [0, 1, 2],
+    "do_remote_decode": True, "do_remote_prefill": True, "keep_turn": True, "turn_id": "forged",
+    "earlier_turn": {**staged("forged", 1), "block_ids": [0, 1, 2]}, "block_ids": [0, 1, 2],
     "remote_host": "forged.example", "remote_request_id": "forged",
 }  # fmt: skip
 FORGING = {"kv_transfer_params": FORGED, "vllm_xargs": {"kv_transfer_params": "forged"}}
@@ -1344,7 +1344,7 @@ def saw_no_forgery(prefill: Prefill, *decodes: Backend) -> None:
     for path, body in [*prefill.requests, *(r for d in decodes for r in d.requests)]:
         assert "forged" not in json.dumps(body), (path, body)
         params = {**(body.get("kv_transfer_params") or {})}
-        for own in ("keep_turn", "earlier_turns"):  # the proxy's, where it keeps turns
+        for own in ("keep_turn", "turn_id", "earlier_turn"):  # the proxy's, where it keeps turns
             params.pop(own, None)
         assert params in ({}, {"do_remote_decode": True}, *prefill.params), (path, body)
 
@@ -1482,5 +1482,5 @@ async def test_a_streamed_turn_s_ticket_comes_from_the_decode_that_answered(
             await client.post("/v1/completions", json={**PROMPT, "prompt": "hi there"})
     finally:
         await decode.stop()
-    turns = [body["kv_transfer_params"].get("earlier_turns") for _, body in prefill.requests]
+    turns = [body["kv_transfer_params"].get("earlier_turn") for _, body in prefill.requests]
     assert turns[0] is None and turns[1]["remote_request_id"] == "turn-1"

@@ -26,6 +26,7 @@ from vllm_qaic_connector.kv.token_copies import copy_layers
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
+from vllm_qaic_connector.protocol.ticket import RemotePrefill, prompt_hash, ticket_binding
 from vllm_qaic_connector.protocol.wire import (
     PROTOCOL_VERSION,
     HandshakeReply,
@@ -34,13 +35,10 @@ from vllm_qaic_connector.protocol.wire import (
     Ok,
     RankMetadata,
     ReleaseRequest,
-    RemotePrefill,
     Renewed,
     RenewRequest,
     compat_hash,
     parse_ack,
-    prompt_hash,
-    ticket_binding,
 )
 from vllm_qaic_connector.region_headers import HEADER_BYTES, RegionHeaders, new_incarnation
 from vllm_qaic_connector.transports import create_transport, staging_name

@@ -89,6 +89,21 @@ def test_an_idle_step_reports_its_load_at_once(transport):
     assert np.array_equal(outs[0]["got"][1][0], results[0]["ref"][1][0])
 
 
+def test_a_load_in_the_step_is_in_place_when_start_load_kv_returns():
+    """A shm load the scheduler ran in the step (load_async=False): start_load_kv returns
+    with the KV in the blocks (its handshake included), before the step's forward pass,
+    and get_finished never reports it (vLLM runs the request already); the prefill is
+    acknowledged as for any load."""
+    results, outs, released = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 100, in_step=True)
+    out = outs[0]
+    assert out["done"] is None and out["errors"] == set()
+    assert out["stats"]["loaded_requests"] == 1
+    for layer in range(2):
+        for kv in range(2):
+            assert np.array_equal(out["at_return"][layer][kv], results[0]["ref"][layer][kv])
+    assert released == ["r1"]
+
+
 def test_decode_prefix_hit_reads_only_missing_tokens():
     results, outs, _ = run_handoff(4, 1, 1, CPU, 32, CPU, 32, 100, first_token=64)
     out = outs[0]

@@ -11,22 +11,14 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-from testbed.shipped_model import ROOT
+from testbed.quick_benchmarks import run_quick
 
 
 def test_compare_e2e_quick(tmp_path: Path) -> None:
     out, png = tmp_path / "rows.json", tmp_path / "ttft.png"
-    cmd = [sys.executable, "-m", "benchmarks.compare_e2e", "--quick"]
-    proc = subprocess.run(
-        [*cmd, "--json", str(out), "--plot", str(png)],
-        capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    print(proc.stdout[-3000:], proc.stderr[-2000:])
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_quick("benchmarks.compare_e2e", out, png, timeout_s=900)
     rows = {(r["setup"], r["concurrency"]): r for r in json.loads(out.read_text())}
     # Concurrency 4, then open loop (0) at the aggregated server's rate.
     assert set(rows) == {(s, c) for s in ("aggregated", "qaic-shm-128to32") for c in (4, 0)}

@@ -66,7 +66,7 @@ from testbed.live_servers import (
 from testbed.llm_d_sidecar import ROUTER_PARAMS, sidecar_completion
 from testbed.shipped_model import MODEL_DIR
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import prompt_hash
+from vllm_qaic_connector.protocol.ticket import prompt_hash
 
 T = TypeVar("T")
 LEASE_S = 2.0  # the prefills' staging lease
@@ -80,6 +80,7 @@ SAVED = "vllm:qaic_kv_saved_requests_total"
 LOADED = "vllm:qaic_kv_loaded_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
 LOAD_SECONDS = "vllm:qaic_kv_load_seconds_count"  # histogram samples
+LOAD_TIME, READ_TIME = "vllm:qaic_kv_load_seconds_sum", "vllm:qaic_kv_read_seconds_sum"
 SAVE_SECONDS = "vllm:qaic_kv_save_seconds_count"
 READS = "vllm:qaic_kv_read_descriptors_total"
 HANDSHAKES = "vllm:qaic_kv_handshakes_total"
@@ -386,18 +387,21 @@ def check_draft_model_handoff(c: Cluster) -> None:
 def check_happy_path(c: Cluster) -> None:
     """Eight handoffs through the proxy, and the connector's metrics on both /metrics."""
     c.ensure(c.prefill, c.decode, c.proxy)
-    names = (LOADED, LOAD_SECONDS, READS, DIRECT)
+    names = (LOADED, LOAD_SECONDS, READS, DIRECT, LOAD_TIME, READ_TIME)
     before = {n: c.decode.metric(n, 0.0) for n in names}
     saves0 = c.prefill.metric(SAVE_SECONDS, 0.0)
     answers = ask_all(c.proxy.url, c.prompts(8), 4)
     time.sleep(1.0)  # the last step's connector stats reach /metrics
-    loaded, timed, reads, direct = (c.decode.metric(n, 0.0) - before[n] for n in names)
+    loaded, timed, reads, direct, load_s, read_s = (
+        c.decode.metric(n, 0.0) - before[n] for n in names
+    )
     saves = c.prefill.metric(SAVE_SECONDS, 0.0) - saves0
     verdicts = [a.verdict for a in answers]
     say(
         f"happy path {c.transport}", correct=verdicts.count("correct"), of=8, kv_loads=loaded,
         load_seconds_samples=timed, save_seconds_samples=saves, read_descriptors=reads,
-        handshakes=c.decode.metric(HANDSHAKES, 0.0), direct_reads=direct,
+        handshakes=c.decode.metric(HANDSHAKES, 0.0), direct_reads=direct, load_s=load_s,
+        read_s=read_s,
     )  # fmt: skip
     assert verdicts == ["correct"] * 8, [a.brief() for a in answers if a.verdict != "correct"]
     assert loaded >= 4, f"only {loaded:.0f} of 8 handoffs loaded KV (the rest recomputed)"
@@ -407,6 +411,9 @@ def check_happy_path(c: Cluster) -> None:
     # ticket's header twice, and over NIXL one READ descriptor per run of blocks.
     assert direct == loaded
     assert reads == 2 * loaded if c.transport == "shm" else reads >= 3 * loaded
+    # Of the loads' time, the transport's reads: NIXL's READs of the blocks; over shm the
+    # copy out of the mapped cache is the whole load, and nothing is read before it.
+    assert 0 < read_s < load_s if c.transport == "nixl" else read_s == 0 < load_s
     assert c.decode.metric(HANDSHAKES, 0.0) >= 1
 
 

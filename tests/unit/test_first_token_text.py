@@ -25,7 +25,7 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from scripts.make_random_model import SPECIAL, train_tokenizer
-from vllm_qaic_connector.protocol.wire import prompt_hash
+from vllm_qaic_connector.protocol.ticket import prompt_hash
 from vllm_qaic_proxy.first_token import FirstToken, fix_event
 
 EOS = SPECIAL.index("<eos>")

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from testbed.worker_processes import vllm_kv_caches
+from vllm_qaic_connector.cpu_packing import CPU_PACKINGS, PackedKV
 from vllm_qaic_connector.kv.byte_runs import plan_slot_reads
-from vllm_qaic_connector.kv.cpu_packing import CPU_PACKINGS, PackedKV
 from vllm_qaic_connector.kv.layout_probe import (
     ISA_PACKINGS,
     attention_isa,

@@ -11,7 +11,7 @@ TICKET = {"do_remote_prefill": True, "remote_port": 5601, "block_ids": [3, 4]}
 
 
 def test_a_client_s_body_loses_every_connector_field_and_keeps_the_rest():
-    forged = {"do_remote_decode": True, "keep_turn": "x", "earlier_turns": TICKET}
+    forged = {"do_remote_decode": True, "keep_turn": True, "turn_id": "x", "earlier_turn": TICKET}
     body = {
         "prompt": "hi",
         "kv_transfer_params": forged,

@@ -16,7 +16,8 @@ from testbed.shm_objects import segments
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.kv.token_copies import gather_tokens
 from vllm_qaic_connector.layout import KVGeometry, get_layout
-from vllm_qaic_connector.protocol.wire import CONVERTIBLE_DTYPES, LAYOUT_KINDS
+from vllm_qaic_connector.protocol.names import LAYOUT_KINDS
+from vllm_qaic_connector.protocol.wire import CONVERTIBLE_DTYPES
 from vllm_qaic_connector.qaic.target import BufferSpec, Manifest, SlotTarget, torch_dtype
 from vllm_qaic_connector.transports.shm import SHM_DIR
 

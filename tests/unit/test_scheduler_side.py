@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
-from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from testbed.handshake_ranks import rank_meta
@@ -24,10 +25,9 @@ from testbed.vllm_harness import (
 from vllm_qaic_connector.config import parse_config
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import (
-    ReleaseRequest,
-    prompt_hash,
-)
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import prompt_hash
+from vllm_qaic_connector.protocol.wire import ReleaseRequest
 from vllm_qaic_connector.region_headers import HEADER_BYTES
 
 
@@ -40,9 +40,14 @@ def prefill():
     sched.connector.shutdown()
 
 
+# The asynchronous load (over NIXL, with several KV cache groups, or sync_loads off): the
+# request waits for the worker's report. Over shm loads run in the step (`test_in_step_*`).
+ASYNC = {"sync_loads": False}
+
+
 @pytest.fixture
 def decode():
-    sched = make_scheduler("kv_consumer", BS, engine_id="dec")
+    sched = make_scheduler("kv_consumer", BS, ASYNC, engine_id="dec")
     yield sched
     sched.connector.shutdown()
 
@@ -292,6 +297,35 @@ def test_decode_malformed_params_become_a_load_error(decode):
     assert load.remote is None and "staging_offset" in load.error
 
 
+# Every field of the router's params, sent as what no field may hold (and a port the named
+# host cannot have): generated from the struct, so a field added later is tried too.
+MALFORMED = [
+    *((field.name, [1]) for field in msgspec.structs.fields(RoutedParams)),
+    ("decode_port", 0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), MALFORMED, ids=[f for f, _ in MALFORMED])
+def test_malformed_router_params_are_a_named_refusal_on_both_sides(prefill, decode, field, value):
+    """A prefill returns the refusal, naming the field, where its ticket would be; the
+    decode fails the load with it (kv_load_failure_policy decides). Neither stages."""
+    sent = {"do_remote_decode": True, "decode_host": "127.0.0.1", field: value}
+    prefill.add_request(make_request("p1", 40, sent, first=1))
+    returned = None
+    for _ in range(20):
+        _, outputs = step(prefill)
+        if returned := params_of(outputs, "p1"):
+            break
+    assert returned is not None and returned["do_remote_prefill"] is False, returned
+    assert "malformed kv_transfer_params" in returned["error"] and field in returned["error"]
+    assert prefill.connector.scheduler.pool.pages_in_use == 0
+    to_decode = {**remote_params(40), "decode_host": "127.0.0.1", field: value}
+    decode.add_request(make_request("d1", 40, to_decode))
+    out, _ = step(decode)
+    (load,) = meta(out).loads
+    assert load.remote is None and field in load.error, load.error
+
+
 def test_decode_abort_mid_load_holds_blocks_until_worker_reports(decode):
     free_before = free_blocks(decode)
     decode.add_request(make_request("x1", 45, remote_params(45)))
@@ -472,7 +506,7 @@ def test_a_ticket_refused_at_claim_is_neither_renewed_nor_released():
     sched = make_scheduler("kv_producer", BS, {"lease_s": 60.0})
     side = sched.connector.scheduler
     side.set_rank_metadata([rank_meta()])
-    decode = make_scheduler("kv_consumer", BS, engine_id="dec")
+    decode = make_scheduler("kv_consumer", BS, ASYNC, engine_id="dec")
     try:
         sched.add_request(make_request("p1", 45, {"do_remote_decode": True}))
         params = params_of(step(sched)[1], "p1")
@@ -480,7 +514,7 @@ def test_a_ticket_refused_at_claim_is_neither_renewed_nor_released():
         out, _ = step(decode)
         (load,) = meta(out).loads
         assert "another prompt" in load.error
-        assert decode.connector.scheduler.loads.renewer.holds_until("replay") == 0.0
+        assert decode.connector.scheduler.receiver.renewer.holds_until("replay") == 0.0
         decode.finish_requests("replay", RequestStatus.FINISHED_ABORTED)
         step(decode, KVConnectorOutput(finished_recving={"replay"}))
         time.sleep(0.5)  # a release would go out on a thread of its own
@@ -569,7 +603,7 @@ def test_leases_renewed_while_the_decode_wants_the_kv(decode):
         side.pool.expire()
         assert side.pool.has("p1"), "the lease ran out while the decode still wanted it"
         # The decode knows the renewals took: the lease holds past the ticket's expiry.
-        renewed_until = decode.connector.scheduler.loads.renewer.holds_until("d1")
+        renewed_until = decode.connector.scheduler.receiver.renewer.holds_until("d1")
         assert renewed_until > params["expires_at"] + 1.0
         step(decode, KVConnectorOutput(finished_recving={"d1"}))  # loaded: renewals stop
         time.sleep(1.5)
@@ -717,7 +751,7 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
     from vllm_qaic_connector.config import parse_config
     from vllm_qaic_connector.protocol.side_channel import SideChannelServer
     from vllm_qaic_connector.protocol.wire import Message, Ok
-    from vllm_qaic_connector.scheduler.decode_loads import DecodeLoads
+    from vllm_qaic_connector.scheduler.kv_receiver import KVReceiver
 
     released: list[str] = []
 
@@ -727,10 +761,11 @@ def test_a_ticket_claimed_but_never_read_is_released_when_the_request_goes():
         return Ok()
 
     server = SideChannelServer("127.0.0.1", 0, handle, None)
-    loads = DecodeLoads(parse_config({}), ())
+    loads = KVReceiver(parse_config({}), ())
     try:
         req = make_request("w1", 45, remote_params(45, port=server.port))
-        assert loads.claim(req, 0) == (45, True)  # verified: renewed while it waits
+        routed = RoutedParams(do_remote_prefill=True)
+        assert loads.claim(req, 0, routed) == (45, True)  # verified: renewed while it waits
         assert loads.finished("w1") is False  # gone before its load started
         deadline = time.monotonic() + 10
         while not released and time.monotonic() < deadline:
@@ -870,3 +905,52 @@ def test_a_request_id_used_again_within_its_lease_is_refused_and_leaves_the_firs
     assert pool.has("p1") and first["do_remote_prefill"] is True
     side_channel.call(first["remote_host"], first["remote_port"], ReleaseRequest(["p1"]), None, 5.0)
     assert pool.pages_in_use == 0
+
+
+@pytest.fixture
+def shm_decode():
+    sched = make_scheduler("kv_consumer", BS, {"sync_loads": True}, engine_id="dec")  # shm
+    yield sched
+    sched.connector.shutdown()
+
+
+def test_in_step_a_shm_load_runs_in_the_step_that_claims_it(shm_decode):
+    """Over shm the worker copies the KV before the step's forward pass, so the request
+    computes its last prompt token and samples in the very step that claims it. An
+    asynchronous load waits for the worker's report, then for the step after it."""
+    req = make_request("s1", 45, remote_params(45), max_tokens=3)
+    shm_decode.add_request(req)
+    out, _ = step(shm_decode)
+    (load,) = meta(out).loads
+    assert load.in_step and load.error is None and (load.first_token, load.claimed) == (0, 44)
+    assert out.has_sync_kv_loads and out.num_scheduled_tokens == {"s1": 1}
+    assert req.status == RequestStatus.RUNNING and list(req.output_token_ids) == [7]
+    # Over with the step: no more renewals, and nothing for the worker to report.
+    assert shm_decode.connector.scheduler.receiver.renewer.holds_until("s1") == 0.0
+    out, _ = step(shm_decode)
+    assert meta(out).loads == [] and list(req.output_token_ids) == [7, 7]
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_in_step_a_failed_load_fails_the_request_or_is_recomputed(shm_decode, policy):
+    """The worker reports a load in the step that failed by its blocks, with that step's
+    output: vLLM drops the token sampled from them, then fails the request or computes
+    the whole prompt (never claiming the ticket again)."""
+    shm_decode.recompute_kv_load_failures = policy == "recompute"
+    params = {"do_remote_prefill": False, "error": "staging pool full (8/8 pages) for 5s"}
+    req = make_request("e1", 45, params, max_tokens=3)
+    shm_decode.add_request(req)
+    out = shm_decode.schedule()
+    (load,) = meta(out).loads
+    assert load.in_step and "staging pool full" in load.error
+    failed = KVConnectorOutput(invalid_block_ids=set(load.block_ids[0]))
+    runner = ModelRunnerOutput(req_ids=["e1"], req_id_to_index={"e1": 0},
+                               sampled_token_ids=[[7]], kv_connector_output=failed)  # fmt: skip
+    shm_decode.update_from_output(out, runner)
+    assert list(req.output_token_ids) == []
+    if policy == "fail":
+        assert req.status == RequestStatus.FINISHED_ERROR and "e1" not in shm_decode.requests
+        return
+    out, _ = step(shm_decode)
+    assert meta(out).loads == [] and out.num_scheduled_tokens == {"e1": 45}
+    assert list(req.output_token_ids) == [7]

@@ -32,16 +32,13 @@ from testbed.vllm_harness import (
 from testbed.worker_processes import make_worker
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.keys import KEY_ENV
-from vllm_qaic_connector.protocol.wire import (
-    ErrorReply,
-    ReleaseRequest,
-    TurnReply,
-    TurnRequest,
+from vllm_qaic_connector.protocol.ticket import (
     block_chain,
     parse_remote_prefill,
     prompt_hash,
     ticket_binding,
 )
+from vllm_qaic_connector.protocol.wire import ErrorReply, ReleaseRequest, TurnReply, TurnRequest
 from vllm_qaic_connector.region_headers import (
     HEADER_BYTES,
     StaleTicket,
@@ -84,11 +81,12 @@ def counted(sched, name: str) -> list[int]:
 
 
 def finish_turn(
-    decode, rid: str, prompt: int, answer: int, first: int = 5, keep: object = True
+    decode, rid: str, prompt: int, answer: int, first: int = 5, keep: dict | str | None = None
 ) -> dict | None:
-    """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens, asking ``keep_turn``
-    ``keep``; its ticket."""
-    decode.add_request(make_request(rid, prompt, {"keep_turn": keep}, answer, first=first))
+    """Runs a turn of ``prompt`` tokens answered with ``answer`` tokens, asked to keep it
+    (``keep``: a ``turn_id`` to name it by, or the params themselves); its ticket."""
+    params = keep if isinstance(keep, dict) else {"keep_turn": True, "turn_id": keep}
+    decode.add_request(make_request(rid, prompt, params, answer, first=first))
     for _ in range(answer):
         _, outputs = step(decode)
         done = [o for outs in outputs.values() for o in outs.outputs if o.request_id == rid]
@@ -123,8 +121,8 @@ def test_a_decode_keeps_a_finished_turn_until_its_ticket_is_released(decode):
 def test_a_turn_not_asked_for_aborted_or_short_is_not_kept(decode):
     total = free_blocks(decode)
     assert finish_turn(decode, "short", 10, 3) is None  # under a block: not worth a lease
-    assert finish_turn(decode, "no name", 40, 3, keep="") is None  # asked neither way
-    assert finish_turn(decode, "one", 40, 3, keep=1) is None
+    assert finish_turn(decode, "named only", 40, 3, keep={"turn_id": "s0"}) is None  # not asked
+    assert finish_turn(decode, "not asked", 40, 3, keep={"keep_turn": False}) is None
     decode.add_request(make_request("streamed", 40, max_tokens=3))  # no router will take it
     for _ in range(3):
         step(decode)
@@ -179,7 +177,7 @@ def test_the_next_prefill_loads_the_whole_blocks_its_prompt_shares_with_the_turn
     elif edit == "expired":  # unsigned here: a router could not have edited a signed one
         ticket["expires_at"] = time.time() - 1
     prompt = history + [300 + i for i in range(20)]  # the user's next question
-    req = make_request("p2", len(prompt), {"do_remote_decode": True, "earlier_turns": ticket})
+    req = make_request("p2", len(prompt), {"do_remote_decode": True, "earlier_turn": ticket})
     req.prompt_token_ids[:] = prompt
     req._all_token_ids[:] = prompt
     prefill.add_request(req)
@@ -233,7 +231,7 @@ def test_with_a_key_a_turn_s_ticket_is_signed_and_an_edited_one_ignored(monkeypa
         assert ticket is not None and len(ticket["ticket_mac"]) == 64
         prompt = make_request("x", 40).prompt_token_ids + [7] * 10 + [300, 301, 302]
         req = make_request(
-            "p2", len(prompt), {"do_remote_decode": True, "earlier_turns": {**ticket, **edit}}
+            "p2", len(prompt), {"do_remote_decode": True, "earlier_turn": {**ticket, **edit}}
         )
         req.prompt_token_ids[:] = prompt
         req._all_token_ids[:] = prompt
@@ -355,8 +353,8 @@ def test_turns_are_neither_kept_nor_loaded_where_token_ids_do_not_prove_the_kv(d
     assert "emb" not in decode.requests  # it finished, and nothing holds its blocks
     ticket = finish_turn(decode, "t1", 40, 10)
     prompt = make_request("x", 40).prompt_token_ids + [7] * 9 + [300, 301]
-    req = an_image("p2", prompt, {"do_remote_decode": True, "earlier_turns": ticket})
+    req = an_image("p2", prompt, {"do_remote_decode": True, "earlier_turn": ticket})
     assert prefill.connector.get_num_new_matched_tokens(req, 0) == (0, False)
-    plain = make_request("p3", len(prompt), {"do_remote_decode": True, "earlier_turns": ticket})
+    plain = make_request("p3", len(prompt), {"do_remote_decode": True, "earlier_turn": ticket})
     plain.prompt_token_ids[:] = prompt
     assert prefill.connector.get_num_new_matched_tokens(plain, 0) == (49, True)  # the control

@@ -16,10 +16,11 @@ import pytest
 
 from testbed.handshake_ranks import rank_meta
 from vllm_qaic_connector.config import parse_config
+from vllm_qaic_connector.protocol.names import KV_DTYPES
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer, call
+from vllm_qaic_connector.protocol.ticket import parse_remote_prefill, ticket_mac, ticket_problem
 from vllm_qaic_connector.protocol.wire import (
     CONVERTIBLE_DTYPES,
-    KV_DTYPES,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
@@ -28,9 +29,6 @@ from vllm_qaic_connector.protocol.wire import (
     encode_message,
     incompatibility,
     open_message,
-    parse_remote_prefill,
-    ticket_mac,
-    ticket_problem,
 )
 
 

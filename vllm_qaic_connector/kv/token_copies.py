@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm_qaic_connector.kv.cpu_packing import PackedKV
+from vllm_qaic_connector.cpu_packing import PackedKV
 from vllm_qaic_connector.kv.stream_copy import NATIVE, BlockRows, BlockTiles
 from vllm_qaic_connector.layout import KV
 

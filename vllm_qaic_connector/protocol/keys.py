@@ -1,12 +1,24 @@
-"""The side channel's shared key: where it comes from and what makes it usable."""
+"""The side channel's shared key: where it comes from, what makes it usable, and the MACs
+it makes. One key serves several purposes; each MAC covers a purpose label first, so a MAC
+made for one purpose (say, a ticket) is never valid for another (a side-channel frame)."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import stat
 
 KEY_ENV = "QAIC_KV_SIDE_CHANNEL_KEY"
 MIN_KEY_BYTES = 16
+MAC_BYTES = 32
+
+
+def mac(key: bytes | None, purpose: bytes, payload: bytes) -> bytes:
+    """HMAC-SHA256 of ``purpose`` and ``payload``; zeros without a key."""
+    if not key:
+        return b"\0" * MAC_BYTES
+    return hmac.new(key, purpose + b"\0" + payload, hashlib.sha256).digest()
 
 
 def load_key(key_file: str | None) -> bytes | None:

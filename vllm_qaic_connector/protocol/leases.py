@@ -16,7 +16,8 @@ from operator import attrgetter
 
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
-from vllm_qaic_connector.protocol.wire import RemotePrefill, Renewed, RenewRequest
+from vllm_qaic_connector.protocol.ticket import RemotePrefill
+from vllm_qaic_connector.protocol.wire import Renewed, RenewRequest
 
 logger = get_logger(__name__)
 MIN_PERIOD_S, MAX_PERIOD_S = 0.1, 10.0

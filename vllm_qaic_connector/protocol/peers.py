@@ -16,16 +16,14 @@ from operator import attrgetter
 
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol.names import KV_DTYPES, LAYOUT_KINDS, address_problem
 from vllm_qaic_connector.protocol.side_channel import SideChannelTimeout
+from vllm_qaic_connector.protocol.ticket import RemotePrefill
 from vllm_qaic_connector.protocol.wire import (
-    KV_DTYPES,
-    LAYOUT_KINDS,
     PROTOCOL_VERSION,
     HandshakeReply,
     HandshakeRequest,
     RankMetadata,
-    RemotePrefill,
-    address_problem,
     incompatibility,
     staging_name,
 )

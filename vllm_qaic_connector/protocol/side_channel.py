@@ -14,12 +14,12 @@ from collections.abc import Callable
 import zmq
 
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol.ticket import RemotePrefill
 from vllm_qaic_connector.protocol.wire import (
     NONCE_BYTES,
     ErrorReply,
     Message,
     ReleaseRequest,
-    RemotePrefill,
     encode_message,
     open_message,
 )

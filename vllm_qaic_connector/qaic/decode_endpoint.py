@@ -2,7 +2,7 @@
 
 A server embeds one `DecodeEndpoint` and hands it each request's ``kv_transfer_params`` and
 prompt. The endpoint answers prefills' handshakes as an engine with ``qaic_slot`` layout,
-checks the ticket (`protocol.wire.ticket_problem`, as a vLLM decode does), waits for a free
+checks the ticket (`protocol.ticket.ticket_problem`, as a vLLM decode does), waits for a free
 batch slot while renewing the lease (`protocol.leases`), writes the request's KV into the
 slot (over shm a DMA-sliced copy out of the prefill's staging, over NIXL a READ straight
 into slot k), acknowledges the read (on the READ, else with `side_channel.release`) and lets
@@ -24,9 +24,10 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 from vllm_qaic_connector.kv.staging_format import StagingFormat
 from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
-from vllm_qaic_connector.protocol import side_channel, wire
+from vllm_qaic_connector.protocol import side_channel, ticket, wire
 from vllm_qaic_connector.protocol.leases import LeaseRenewer
 from vllm_qaic_connector.protocol.peers import PeerDirectory
+from vllm_qaic_connector.protocol.routed_params import routed_params
 from vllm_qaic_connector.protocol.side_channel import SideChannelServer
 from vllm_qaic_connector.qaic.slot_pull import SlotPuller
 from vllm_qaic_connector.qaic.target import Manifest, SlotTarget, torch_dtype
@@ -128,23 +129,23 @@ class DecodeEndpoint:
     ) -> tuple[list[int], str]:
         """Decode a handed-off request from its prompt's KV: the tokens and the finish
         reason. The prompt is the staged one, or it and the prefill's first token."""
-        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-            error = params.get("error") if isinstance(params, dict) else None
-            if error:  # a decode program cannot compute the prompt itself
-                raise Refused(503, f"the prefill could not hand the KV off: {error}")
-            want = "kv_transfer_params with do_remote_prefill (send it through a router)"
-            raise Refused(400, f"a QAIC decode only decodes handed-off requests: {want}")
         try:
-            remote = wire.parse_remote_prefill(params)
+            routed = routed_params(params)
+            if routed.error:  # a decode program cannot compute the prompt itself
+                raise Refused(503, f"the prefill could not hand the KV off: {routed.error}")
+            if not routed.do_remote_prefill:
+                want = "kv_transfer_params with do_remote_prefill (send it through a router)"
+                raise Refused(400, f"a QAIC decode only decodes handed-off requests: {want}")
+            remote = ticket.parse_remote_prefill(params)
         except ValueError as exc:
             raise Refused(400, str(exc)) from None
-        if unusable := wire.ticket_problem(remote, self.key):  # unsigned: never contacted
+        if unusable := ticket.ticket_problem(remote, self.key):  # unsigned: never contacted
             raise Refused(403, unusable)
         rid, acked, slot = f"qaic-{next(self._ids)}", False, None
         self.leases.want(rid, remote)  # renewed while it waits for a slot
         try:
             # The programs run the base model ("": no LoRA adapter).
-            if unusable := wire.ticket_problem(remote, None, prompt=prompt_ids, adapter=""):
+            if unusable := ticket.ticket_problem(remote, None, prompt=prompt_ids, adapter=""):
                 raise Refused(400, unusable)
             if not len(prompt_ids) - 1 <= remote.num_tokens <= self.target.ctx_len:
                 raise Refused(400, f"{remote.num_tokens} staged tokens for a prompt of "
@@ -171,8 +172,8 @@ class DecodeEndpoint:
         """Raises ``refusal``, a server's own (a body it cannot serve), after freeing the
         prefill's staging of a sound ticket, as the endpoint's own refusals do."""
         with contextlib.suppress(ValueError):
-            remote = wire.parse_remote_prefill(params)
-            if wire.ticket_problem(remote, self.key) is None:
+            remote = ticket.parse_remote_prefill(params)
+            if ticket.ticket_problem(remote, self.key) is None:
                 await self._run(self._io, side_channel.release, remote, self.key, 10.0)
         raise refusal
 
@@ -199,10 +200,10 @@ class DecodeEndpoint:
         self.slots_in_use -= 1
         self._slot_sem.release()
 
-    def _bind(self, slot: int, remote: wire.RemotePrefill, held_until: float) -> bool:
+    def _bind(self, slot: int, remote: ticket.RemotePrefill, held_until: float) -> bool:
         """Write the staged prompt KV into ``slot`` and bind it; whether the read carried
         the acknowledgement (NIXL), so no release is left to send."""
-        if late := wire.ticket_problem(remote, None, renewed_until=held_until):
+        if late := ticket.ticket_problem(remote, None, renewed_until=held_until):
             raise ConnectionError(late)
         ranks = self.peers.staged_by(remote)
         src, n = ranks[0], remote.num_tokens
@@ -212,7 +213,7 @@ class DecodeEndpoint:
                          torch_dtype(src.dtype))  # fmt: skip
         notifies = self.reader.delivers_notifications  # else: released over the side channel
         ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key) if notifies else None
-        binding = wire.ticket_binding(remote)
+        binding = ticket.ticket_binding(remote)
         if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
             runs = self.puller.pull(slot, src.endpoint, remote.staging_offset, geo, n,
                                     remote.generation, ack, binding)  # fmt: skip

@@ -13,7 +13,8 @@ from itertools import chain
 
 from vllm_qaic_connector.kv.byte_runs import ByteRun, plan_slot_reads
 from vllm_qaic_connector.layout import KVGeometry
-from vllm_qaic_connector.protocol.wire import UNBOUND, TransportEndpoint
+from vllm_qaic_connector.protocol.ticket import UNBOUND
+from vllm_qaic_connector.protocol.wire import TransportEndpoint
 from vllm_qaic_connector.qaic.target import SlotTarget
 from vllm_qaic_connector.region_headers import HEADER_BYTES, checked_read
 from vllm_qaic_connector.transports.nixl import NixlTransport

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from vllm_qaic_connector.protocol.wire import RemotePrefill
+from vllm_qaic_connector.protocol.ticket import RemotePrefill
 
 TicketKey = tuple[str, str, str, int]
 REMEMBERED = 4096  # tickets read: only a sibling that arrives late asks for one again

@@ -22,8 +22,7 @@ def pin(region: torch.Tensor, read_only: bool) -> bool:
     if int(err) != 0:
         logger.warning("QAICConnector: cannot page-lock %d MiB of staging (%s); copies "
                        "to and from the GPU will be slower", region.numel() >> 20, err)  # fmt: skip
-        return False
-    return True
+    return int(err) == 0
 
 
 def unpin(region: torch.Tensor) -> None:

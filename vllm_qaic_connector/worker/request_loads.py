@@ -15,12 +15,8 @@ from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens, get_layout
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.protocol import side_channel
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
-    ack_message,
-    direct_problem,
-    ticket_binding,
-)
+from vllm_qaic_connector.protocol.ticket import ticket_binding
+from vllm_qaic_connector.protocol.wire import RankMetadata, ack_message, direct_problem
 from vllm_qaic_connector.region_headers import StaleTicket, checked_read
 from vllm_qaic_connector.step_metadata import LoadSpec
 from vllm_qaic_connector.transports import KVTransport
@@ -42,6 +38,7 @@ class LoadResult:
     bytes_copied: int
     source_engine: str
     seconds: float = 0.0  # from the load's start to its KV in our blocks
+    read_seconds: float = 0.0  # of which in transport reads (over shm none: the copy reads)
     reads: int = 0  # transport reads (NIXL descriptors), ticket headers included
     direct: bool = False  # copied out of the prefill's KV cache, not out of staging
 
@@ -82,10 +79,9 @@ class RequestLoads:
         logger.error("QAICConnector: request %s: KV load failed: %s", spec.request_id, reason)
         # Only to a peer that answered a handshake: a dead one would hold a thread for
         # nothing (its lease frees the pages). Off this thread: it may be the engine's.
-        remote = spec.remote
-        if remote is not None and self.peers.answered(remote.remote_host, remote.remote_port):
+        if (remote := spec.remote) and self.peers.answered(remote.remote_host, remote.remote_port):
             self._releaser.submit(self._release_remote, spec)
-        source = spec.remote.remote_engine_id if spec.remote else ""
+        source = remote.remote_engine_id if remote else ""
         return LoadResult(spec.request_id, self.blocks_to_load(spec), 0, 0, source)
 
     def blocks_to_load(self, spec: LoadSpec, group: int | None = None) -> frozenset[int]:
@@ -121,7 +117,7 @@ class RequestLoads:
         total, src_tp = self.ours.num_kv_heads, len(ranks)
         staged_bs = remote.staged_block_size
         src_blocks = list(range(blocks_for_tokens(remote.num_tokens, staged_bs)))
-        copied, reads, t0 = 0, 0, time.monotonic()
+        copied, reads, read_s, t0 = 0, 0, 0.0, time.monotonic()
         # Each source rank staged its own head shard (and state shard); read only what
         # this rank holds.
         kv_heads = {s.src_rank: s.heads for s in head_sources(total, src_tp, *self._tp)}
@@ -141,7 +137,9 @@ class RequestLoads:
                 transport, src_rank.endpoint, remote.staging_offset, nbytes, remote.generation,
                 ack, ticket_binding(remote),
             )  # fmt: skip
+            t_read = time.monotonic()
             with read as region, gate.writing():
+                read_s += time.monotonic() - t_read  # the region's READ, and its header's
                 views = fmt.layer_views(region, remote.num_tokens)
                 runs = layer_runs(len(views), cache.group, fmt.shift) if r in kv_heads else ()
                 for (group, shift), layers in runs:  # none: a rank read for its state
@@ -156,7 +154,7 @@ class RequestLoads:
                 if self.cfg.debug_corrupt_loaded_kv:
                     self._corrupt(spec)
             reads += 2  # the region with its header, then the header again
-        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads)
+        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads, read_s)
 
     def _direct(self, spec: LoadSpec, ranks: list[RankMetadata], gate: WriteGate) -> LoadResult:
         """Copies the prompt's blocks out of the prefill rank's KV cache (mapped shm, in
@@ -170,7 +168,7 @@ class RequestLoads:
         staged = (remote.staged_layout, remote.staged_block_size)
         if problem is None and src is not None and staged != (src.layout_kind, src.block_size):
             problem = "the ticket's format is not the prefill's"  # block_ids are in it
-        t0, bs = time.monotonic(), cache.geometry.block_size
+        t0, read_s, bs = time.monotonic(), 0.0, cache.geometry.block_size
         first, end, ours, theirs = spec.start(0), spec.end, spec.block_ids[0], remote.block_ids
         if problem is None and src and src.cache and first % bs and not src.cache.mapped:
             problem = "the first token to load is inside a block"
@@ -181,16 +179,16 @@ class RequestLoads:
         lo, hi = first // bs, blocks_for_tokens(end, bs)
         ack = self._ack(remote.remote_request_id, tp_rank)
         reads = 2  # the header, before and after
-        binding = ticket_binding(remote)
         with (
             checked_read(transport, src.endpoint, remote.staging_offset, 0, remote.generation,
-                         ack, binding),
+                         ack, ticket_binding(remote)),
             gate.writing(),
         ):  # fmt: skip
             if not src.cache.mapped:  # registered memory: READs of whole blocks
                 blocks = (theirs[lo:hi], ours[lo:hi])
                 runs = plan_cache_reads(src.cache, cache.layout, cache.tensors, blocks)
                 copied = transport.read_into(cache_endpoint(src.endpoint, src.cache), runs)
+                read_s = time.monotonic() - t0
                 reads += len(runs)
             else:
                 geometry = dataclasses.replace(cache.geometry, block_size=src.block_size)
@@ -203,7 +201,7 @@ class RequestLoads:
                 )  # converted, or the first block is partly ours already
             if self.cfg.debug_corrupt_loaded_kv:
                 self._corrupt(spec)
-        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads, direct=True)
+        return self._loaded(spec, ranks[0].engine_id, copied, t0, reads, read_s, direct=True)
 
     def _ack(self, remote_request_id: str, src_rank: int) -> bytes | None:
         """What tells source rank ``src_rank`` that this rank has read its part, riding on
@@ -214,13 +212,14 @@ class RequestLoads:
         return ack_message(remote_request_id, me.tp_rank, me.tp_size, src_rank, self._key)
 
     def _loaded(
-        self, spec: LoadSpec, source: str, copied: int, t0: float, reads: int, direct: bool = False
-    ) -> LoadResult:
+        self, spec: LoadSpec, source: str, copied: int, t0: float, reads: int, read_s: float,
+        direct: bool = False,
+    ) -> LoadResult:  # fmt: skip
         if not self.transport.delivers_notifications:
             self._releaser.submit(self._release_remote, spec)  # a dead prefill: not our wait
         return LoadResult(
             spec.request_id, frozenset(), spec.end - spec.first_token, copied,
-            source, time.monotonic() - t0, reads, direct,
+            source, time.monotonic() - t0, read_s, reads, direct,
         )  # fmt: skip
 
     def _corrupt(self, spec: LoadSpec) -> None:

@@ -1,9 +1,9 @@
-"""A prefill engine's requests on their way to decodes, in the scheduler: the decode's
-format learnt by handshake, staging reserved before the prompt runs, a save per computed
-chunk, and the ticket when the request finishes (its staging is freed by
-`staging_releases`); a direct handoff's blocks held until its ticket is gone. A decode's
-kept turn (`kept_turns`) leaves the same way. Logical only: no tensors, layouts or
-transports."""
+"""What leaves this engine, in the scheduler (SGLang's ``KVSender``): a prefill's requests
+on their way to decodes (the decode's format learnt by handshake, staging reserved before
+the prompt runs, a save per computed chunk, the ticket when the request finishes; its
+staging is freed by `staging_releases`), and the blocks held for readers: a direct
+handoff's until its ticket is gone, and those of a decode's `kept_turns`, which leave the
+same way. Logical only: no tensors, layouts or transports."""
 
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ from vllm_qaic_connector.layout import KVGeometry, blocks_for_tokens
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.peers import PeerDirectory
-from vllm_qaic_connector.protocol.wire import (
-    RankMetadata,
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import (
     RemotePrefill,
     block_chain,
     prompt_hash,
     ticket_binding,
     ticket_mac,
 )
+from vllm_qaic_connector.protocol.wire import RankMetadata
 from vllm_qaic_connector.region_headers import HEADER_BYTES, generations
 from vllm_qaic_connector.scheduler import request_ids
 from vllm_qaic_connector.scheduler.staging_releases import StagingReleases
@@ -77,7 +78,7 @@ class _Outgoing:
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefillEngine:
+class LocalEngine:
     """The facts about this prefill engine that a handoff needs."""
 
     engine_id: str
@@ -87,12 +88,6 @@ class PrefillEngine:
     port: int  # its side channel's, named in tickets
     # The server's cap on an answer's tokens (its generation config; `answer_cap`).
     max_tokens_cap: int | None = None
-
-
-def _decode_named(params: dict[str, Any]) -> str:
-    """The decode a request's params name, as "host:port" ("" where none is named)."""
-    host, port = params.get("decode_host"), params.get("decode_port")
-    return f"{host}:{port}" if isinstance(host, str) and isinstance(port, int) else ""
 
 
 def answer_cap(model_config: Any) -> int | None:
@@ -107,11 +102,11 @@ def answer_cap(model_config: Any) -> int | None:
     return override.get("max_new_tokens")
 
 
-class PrefillHandoffs:
+class KVSender:
     def __init__(
         self,
         cfg: ConnectorConfig,
-        engine: PrefillEngine,
+        engine: LocalEngine,
         releases: StagingReleases,
         peers: PeerDirectory,
     ) -> None:
@@ -134,19 +129,21 @@ class PrefillHandoffs:
 
     # --- before the prompt runs ----------------------------------------------------------
 
-    def admit(self, request: Request, params: dict[str, Any]) -> tuple[int | None, bool]:
+    def admit(self, request: Request, routed: RoutedParams) -> tuple[int | None, bool]:
         """Learn the decode's format, then reserve staging. Either may wait (None: vLLM
         asks again next step, other requests go on), each bounded."""
-        rid, now, holder = request.request_id, time.monotonic(), _decode_named(params)
+        rid, now = request.request_id, time.monotonic()
+        holder = f"{routed.decode_host}:{routed.decode_port}" if routed.decode_host else ""
         out = self._outgoing.setdefault(rid, _Outgoing(waiting_since=now))
         if out.target is None and out.error is None:
-            out.error = _unreturnable(rid)  # its ticket could never reach a decode
+            # Malformed params, or a ticket that could never reach a decode.
+            out.error = routed.error or _unreturnable(rid)
             if out.error:
                 logger.error("QAICConnector: request %s: %s", rid, out.error)
         if out.offset is not None or out.error is not None:
             return 0, False
         if out.target is None:
-            if (target := self._resolve_target(rid, params, out.waiting_since)) is None:
+            if (target := self._resolve_target(rid, routed, out.waiting_since)) is None:
                 return None, False
             wanted = request.num_prompt_tokens // self.engine.geometry.block_size
             if sum(self.held.values()) + wanted > self.held_cap:
@@ -204,30 +201,21 @@ class PrefillHandoffs:
         if (out := self._outgoing.get(request.request_id)) is not None:
             out.request = request
 
-    def _resolve_target(
-        self, rid: str, params: dict[str, Any], since: float
-    ) -> StagingTarget | None:
+    def _resolve_target(self, rid: str, routed: RoutedParams, since: float) -> StagingTarget | None:
         """The named decode's format, else the one every decode in ``decode_peers`` takes;
         our own where they differ, none is known or the named one cannot be reached in time
         (the decode then converts on receive), or where it reads our cache directly (it
         converts as it copies). None while the named decode's handshake is pending."""
         own_kind = self.ranks[0].layout_kind if self.ranks else ""
         own = StagingTarget(own_kind, self.engine.geometry.block_size)
-        host, port = params.get("decode_host"), params.get("decode_port")
-        if host is None and port is None:  # a router that names no decode: our fleet's
+        host, port = routed.decode_host, routed.decode_port
+        if not host:  # a router that names no decode: our fleet's
             known = [self.peers.poll(h, p) for h, p in self.cfg.decode_sides]
             targets = {
                 StagingTarget.for_decode(self.ranks, f, own) if isinstance(f, list) else own
                 for f in known
             }
             return targets.pop() if len(targets) == 1 else own
-        if not isinstance(host, str) or not isinstance(port, int):
-            logger.error(
-                "QAICConnector: request %s: malformed decode_host/decode_port in "
-                "kv_transfer_params; staging in our own layout",
-                rid,
-            )
-            return own
         found = self.peers.poll(host, port)
         if found is None:
             if time.monotonic() - since < self.cfg.handshake_timeout_s:

@@ -1,10 +1,12 @@
-"""A decode's loads, scheduler side: a request's ``kv_transfer_params`` checked, its prompt
-tokens claimed (loaded asynchronously, beside the engine's steps), its blocks handed to the
-worker as a `LoadSpec`, its lease renewed while it waits."""
+"""What arrives at this engine, in the scheduler (SGLang's ``KVReceiver``): a decode's
+loads, and a prefill's load of a conversation's earlier turn. A request's ticket checked,
+its prompt tokens claimed (loaded beside the engine's steps; with ``sync_loads``, over
+shm, in the step that runs it), its blocks handed to the worker as a `LoadSpec`, its lease
+renewed while it waits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vllm_qaic_connector.config import ConnectorConfig
 from vllm_qaic_connector.kv.kv_groups import (
@@ -17,8 +19,10 @@ from vllm_qaic_connector.kv.kv_groups import (
 from vllm_qaic_connector.logs import get_logger
 from vllm_qaic_connector.model_weights import adapter_fingerprint
 from vllm_qaic_connector.protocol.leases import LeaseRenewer
-from vllm_qaic_connector.protocol.wire import (
+from vllm_qaic_connector.protocol.routed_params import RoutedParams
+from vllm_qaic_connector.protocol.ticket import (
     RemotePrefill,
+    field_problem,
     parse_remote_prefill,
     shared_tokens,
     ticket_problem,
@@ -41,11 +45,16 @@ def tokens_alone(request: Request) -> bool:
     return request.prompt_token_ids is not None and not request.mm_features
 
 
-class DecodeLoads:
+class KVReceiver:
     def __init__(
         self, cfg: ConnectorConfig, groups: tuple[KVGroup, ...], prefix_caching: bool = True
     ) -> None:
         self._key, self._groups = cfg.shared_key, groups
+        # A shm load is a local copy of a few ms: the worker does it before the forward pass
+        # of the step that schedules the request (vLLM takes such loads' failures by block
+        # only: one KV cache group). Async, its first token waits one or two more steps.
+        one_group = len(groups) <= 1 and not has_state(groups)
+        self._in_step = cfg.sync_loads and cfg.transport == "shm" and one_group
         self.renewer = LeaseRenewer(self._key, cfg.handshake_timeout_s)
         # request id -> (first token to load, the checked ticket, what is wrong with it)
         self._matched: dict[str, tuple[int, RemotePrefill | None, str | None]] = {}
@@ -67,7 +76,11 @@ class DecodeLoads:
             self.renewer.want(request.request_id, remote)
 
     def claim(
-        self, request: Request, num_computed_tokens: int, turn: dict[str, Any] | None = None
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        routed: RoutedParams,
+        turn: RemotePrefill | None = None,
     ) -> tuple[int | None, bool]:
         """vLLM's ``get_num_new_matched_tokens`` for a ``do_remote_prefill`` request, or for
         a prefill given the ticket of the conversation's earlier ``turn`` (``reuse_turns``):
@@ -83,13 +96,17 @@ class DecodeLoads:
         remote: RemotePrefill | None = None
         error: str | None = None
         prompt = request.prompt_token_ids or []
-        params = request.kv_transfer_params or {} if turn is None else turn
         try:
             if turn is not None and not tokens_alone(request):
                 raise ValueError("a turn's ticket proves token ids only: not with embeddings")
-            if failed := params.get("error"):
-                raise ValueError(f"the prefill could not hand the KV off: {failed}")
-            parsed = parse_remote_prefill(params)
+            if routed.error and turn is None:
+                raise ValueError(f"nothing to load: {routed.error}")
+            if turn is None:
+                parsed = parse_remote_prefill(request.kv_transfer_params or {})
+            elif malformed := field_problem(turn):
+                raise ValueError(f"malformed earlier_turn: {malformed}")
+            else:
+                parsed = turn
             adapter = adapter_fingerprint(request.lora_request)
             shared = self.tickets.state(key := ticket_key(parsed), request.request_id)
             held = self.renewer.holds_until(request.request_id)  # renewed since it arrived
@@ -124,24 +141,23 @@ class DecodeLoads:
             error = f"request {request.request_id}: {exc}"
             num_tokens = len(request.prompt_token_ids or ())
         count = tokens_to_load(num_tokens, self._groups) - num_computed_tokens
+        if self._in_step:  # vLLM's step computes at least its last token (async: vLLM cuts)
+            count = min(count, request.num_tokens - 1 - num_computed_tokens)
         if count <= 0:
             return 0, False
         if remote is not None:
             self.tickets.hold(request.request_id, key)
         self._matched[request.request_id] = (num_computed_tokens, remote, error)
-        return count, True
+        return count, not self._in_step
 
-    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks."""
+    def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> bool:
+        """vLLM's ``update_state_after_alloc``: the claimed tokens have blocks. Whether a
+        load goes to the worker (loaded once: a failed load is recomputed, not retried)."""
         matched = self._matched.pop(request.request_id, None)
         if matched is None or num_external_tokens == 0:
             self.tickets.leave(request.request_id, spent=False)
-            return
+            return False
         first_token, remote, error = matched
-        if request.kv_transfer_params:  # load once: a failed load is recomputed, not retried
-            request.kv_transfer_params.update(
-                do_remote_prefill=False, error=None, earlier_turns=None
-            )
         starts = load_starts(self._groups, first_token + num_external_tokens, first_token)
         if remote is not None and error is None:
             gap = staging_gap(starts, remote.group_starts or (0,) * len(self._groups))
@@ -155,12 +171,15 @@ class DecodeLoads:
             holds_until=self.renewer.holds_until(request.request_id),
             starts=starts,
             claimed=first_token + num_external_tokens,
+            in_step=self._in_step,
         )
+        return True
 
     def take(self) -> list[LoadSpec]:
-        """This step's loads, for the worker."""
+        """This step's loads, for the worker; a load in the step is over with the step."""
         loads, self._pending = list(self._pending.values()), {}
-        self._loading.update(spec.request_id for spec in loads)
+        self._loading.update(spec.request_id for spec in loads if not spec.in_step)
+        self.received({spec.request_id for spec in loads if spec.in_step})
         return loads
 
     def received(self, request_ids: set[str]) -> None:
