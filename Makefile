@@ -30,7 +30,7 @@ test: setup lint
 	$(PY) -m pytest -v -rA --durations=60 tests
 
 clean:
-	rm -rf .venv .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
+	rm -rf .venv .venv-dynamo .pytest_cache .mypy_cache .ruff_cache .hypothesis .cache
 
 # The proxy against vLLM over 2 x 500 generated requests, 4 conversations at once (CI runs
 # 30 of one fleet a day, with the day's seed).
