@@ -6,6 +6,7 @@ side-channel listener they answer on. It holds no tensors, layouts or transports
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from vllm_qaic_connector.config import ConnectorConfig, is_loopback
@@ -66,7 +67,9 @@ class SchedulerSide:
         self.pool = StagingPool(cfg.num_staging_pages, cfg.staging_page_bytes, cfg.lease_s)
         self._ranks: list[wire.RankMetadata] = []
         self._published_pages = 0  # the staging gauge's value as of the last step
-        self._routed: dict[str, RoutedParams] = {}  # decoded on arrival, dropped at the end
+        # By request, not by id: two live requests may share an id (vLLM's id randomization
+        # off), and neither may act on the other's params.
+        self._routed: weakref.WeakKeyDictionary[Request, RoutedParams] = weakref.WeakKeyDictionary()
         self.receiver = KVReceiver(cfg, self.groups, vllm_config.cache_config.enable_prefix_caching)
         self.peers = PeerDirectory(self.engine_id, cfg.shared_key, cfg.handshake_timeout_s)
         # Before the listener: a release may arrive as soon as it listens (a decode that
@@ -130,7 +133,7 @@ class SchedulerSide:
         """The request's ``kv_transfer_params``, decoded once (where vLLM hands it over), the
         malformed refused by name: a prefill returns the refusal as its error, a decode fails
         the load with it, for kv_load_failure_policy."""
-        if (routed := self._routed.get(request.request_id)) is None:
+        if (routed := self._routed.get(request)) is None:
             raw = request.kv_transfer_params
             try:
                 routed = routed_params(raw)
@@ -138,7 +141,7 @@ class SchedulerSide:
                 logger.error("QAICConnector: request %s: %s", request.request_id, exc)
                 to_prefill = isinstance(raw, dict) and bool(raw.get("do_remote_decode"))
                 routed = RoutedParams(do_remote_decode=to_prefill, error=str(exc))
-            self._routed[request.request_id] = routed
+            self._routed[request] = routed
         return routed
 
     def on_new_request(self, request: Request) -> None:
@@ -177,11 +180,11 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        rid, routed = request.request_id, self._routed.get(request.request_id, NOT_ROUTED)
+        routed = self._routed.get(request, NOT_ROUTED)
         if routed.do_remote_decode and self.is_producer:
             self.sender.will_save(request)
         if self.receiver.allocated(request, blocks, num_external_tokens):
-            self._routed[rid] = routed.loaded()
+            self._routed[request] = routed.loaded()
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self.sender.kv_cache_manager = manager
@@ -215,7 +218,7 @@ class SchedulerSide:
                 self.releases.acknowledge(rid, ack, self._ranks)
 
     def request_finished(self, request: Request) -> tuple[bool, Any]:
-        routed = self._routed.pop(request.request_id, NOT_ROUTED)
+        routed = self._routed.pop(request, NOT_ROUTED)
         loading = self.receiver.finished(request.request_id)
         if self.turns and not loading and not self.sender.outgoing(request.request_id):
             return self.turns.keep(request, routed)  # a decode's turn, not a handoff

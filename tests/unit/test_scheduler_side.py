@@ -326,6 +326,20 @@ def test_malformed_router_params_are_a_named_refusal_on_both_sides(prefill, deco
     assert load.remote is None and field in load.error, load.error
 
 
+def test_two_live_requests_with_one_id_each_keep_their_own_params(prefill):
+    """vLLM's id randomization off, a client's id reused while the first runs: the params
+    are decoded per request, so a plain request never acts on a handoff's under its id."""
+    handoff = make_request("same", 40, dict(ROUTER_PARAMS))
+    plain = make_request("same", 40)
+    connector = prefill.connector
+    connector.on_new_request(handoff)
+    connector.on_new_request(plain)
+    assert connector.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert not connector.scheduler.sender.outgoing("same")  # no handoff begun for it
+    connector.get_num_new_matched_tokens(handoff, 0)
+    assert connector.scheduler.sender.outgoing("same")
+
+
 def test_decode_abort_mid_load_holds_blocks_until_worker_reports(decode):
     free_before = free_blocks(decode)
     decode.add_request(make_request("x1", 45, remote_params(45)))
