@@ -184,8 +184,7 @@ class PeerDirectory:
             # A failed handshake is retried after a pause, not cached forever.
             age = time.monotonic() - entry.finished if entry is not None else 0.0
             if entry is None or (retry and entry.error is not None and age > RETRY_AFTER_S):
-                entry = _Entry(threading.Event())
-                self._entries[(host, port)] = entry
+                entry = self._entries[(host, port)] = _Entry(threading.Event())
                 thread = threading.Thread(
                     target=self._run, args=(host, port, entry), daemon=True, name="qaic-handshake"
                 )
