@@ -158,18 +158,17 @@ class PeerDirectory:
 
     def _run(self, host: str, port: int, entry: _Entry) -> None:
         try:
-            entry.ranks = self._handshake(host, port)
-            entry.answered = True
-            r = entry.ranks[0]
+            ranks = self._handshake(host, port)
+            r = ranks[0]
             facts = (r.engine_id, host, port, r.layout_kind, r.block_size, r.tp_size)
             logger.info(
                 "QAICConnector: handshake with %s at %s:%d: %s layout, block %d, TP %d", *facts
             )
+            entry.ranks, entry.answered = ranks, True  # last: a failure above leaves it None
         except ConnectionError as exc:
             entry.error, entry.answered = str(exc), isinstance(exc, PeerRefused)
             logger.warning("QAICConnector: %s", exc)
         except Exception as exc:  # a bug here must fail this peer, not hang its callers
-            entry.ranks = None
             entry.error = f"handshake with {host}:{port} failed: {type(exc).__name__}: {exc}"
             logger.exception("QAICConnector: %s", entry.error)
         finally:
