@@ -32,8 +32,7 @@ def load_key(key_file: str | None) -> bytes | None:
         except OSError as exc:
             raise ValueError(f"side_channel_key_file {key_file!r}: {exc.strerror}") from None
         with os.fdopen(fd, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            if (mode := os.fstat(f.fileno()).st_mode) & (stat.S_IRWXG | stat.S_IRWXO):
                 raise ValueError(
                     f"side_channel_key_file {key_file!r} is open to other users "
                     f"(mode {stat.S_IMODE(mode):04o}); chmod 600 it"

@@ -40,9 +40,7 @@ class LeaseRenewer:
             self._holds_until[request_id] = max(self._holds_until.get(request_id, 0.0),
                                                 remote.expires_at)  # fmt: skip
             if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="qaic-lease-renewal", daemon=True
-                )
+                self._thread = threading.Thread(target=self._run, name="qaic-leases", daemon=True)
                 self._thread.start()
 
     def holds_until(self, request_id: str) -> float:

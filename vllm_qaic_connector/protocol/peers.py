@@ -15,18 +15,11 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from vllm_qaic_connector.logs import get_logger
-from vllm_qaic_connector.protocol import side_channel
+from vllm_qaic_connector.protocol import side_channel, wire
 from vllm_qaic_connector.protocol.names import KV_DTYPES, LAYOUT_KINDS, address_problem
 from vllm_qaic_connector.protocol.side_channel import SideChannelTimeout
 from vllm_qaic_connector.protocol.ticket import RemotePrefill
-from vllm_qaic_connector.protocol.wire import (
-    PROTOCOL_VERSION,
-    HandshakeReply,
-    HandshakeRequest,
-    RankMetadata,
-    incompatibility,
-    staging_name,
-)
+from vllm_qaic_connector.protocol.wire import RankMetadata
 
 logger = get_logger(__name__)  # inside vLLM's logger tree, so it is printed
 RETRY_AFTER_S = 2.0
@@ -37,8 +30,7 @@ _AGREED = (
     "engine_id", "tp_size", "layout_kind", "block_size", "num_layers", "num_kv_heads",
     "head_size", "dtype", "model", "weights", "compat_hash",
 )  # fmt: skip
-ENDPOINT_KINDS = ("shm", "nixl")
-_KNOWN = {"layout_kind": LAYOUT_KINDS, "dtype": KV_DTYPES, "endpoint.kind": ENDPOINT_KINDS}
+_KNOWN = {"layout_kind": LAYOUT_KINDS, "dtype": KV_DTYPES, "endpoint.kind": ("shm", "nixl")}
 # Both go into segment and agent names: no "/", no NUL, bounded; vLLM's default is a uuid4.
 ENGINE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 INCARNATION = re.compile(r"[0-9a-f]{16}")  # region_headers.new_incarnation()
@@ -51,7 +43,7 @@ def _name_problem(i: int, r: RankMetadata) -> str | None:
         return f"rank {i} engine_id {r.engine_id!r} is not a safe name ({ENGINE_ID.pattern})"
     if not INCARNATION.fullmatch(r.incarnation):
         return f"rank {i} incarnation {r.incarnation!r} is not 16 lowercase hex digits"
-    want = staging_name(r.engine_id, r.tp_rank, r.incarnation)
+    want = wire.staging_name(r.engine_id, r.tp_rank, r.incarnation)
     if (r.endpoint.address, r.endpoint.size) == ("", 0):
         return None  # an engine that only loads has no staging
     if r.endpoint.owner is None:
@@ -134,7 +126,7 @@ class PeerDirectory:
     def _handshake(self, host: str, port: int) -> list[RankMetadata]:
         if problem := address_problem(host, port):
             raise ConnectionError(f"bad peer address {host!r}:{port!r}: {problem}")
-        request = HandshakeRequest(PROTOCOL_VERSION, self.engine_id)
+        request = wire.HandshakeRequest(wire.PROTOCOL_VERSION, self.engine_id)
         for attempt in range(1, HANDSHAKE_ATTEMPTS + 1):
             try:
                 self._probe(host, port)
@@ -148,11 +140,11 @@ class PeerDirectory:
                         f"side channel {host}:{port} silent {attempt} times "
                         f"({self.timeout_s}s each)"
                     ) from None
-        if not isinstance(reply, HandshakeReply):
+        if not isinstance(reply, wire.HandshakeReply):
             raise PeerRefused(f"bad handshake reply from {host}:{port}: got {type(reply).__name__}")
         if problem := check_ranks(reply.ranks):
             raise PeerRefused(f"bad handshake reply from {host}:{port}: {problem}")
-        if self.ours is not None and (problem := incompatibility(self.ours, reply.ranks[0])):
+        if self.ours is not None and (problem := wire.incompatibility(self.ours, reply.ranks[0])):
             raise PeerRefused(f"incompatible peer at {host}:{port}: {problem}")
         with self._lock:
             self._completed += 1
@@ -166,18 +158,17 @@ class PeerDirectory:
 
     def _run(self, host: str, port: int, entry: _Entry) -> None:
         try:
-            entry.ranks = self._handshake(host, port)
-            entry.answered = True
-            r = entry.ranks[0]
+            ranks = self._handshake(host, port)
+            r = ranks[0]
             facts = (r.engine_id, host, port, r.layout_kind, r.block_size, r.tp_size)
             logger.info(
                 "QAICConnector: handshake with %s at %s:%d: %s layout, block %d, TP %d", *facts
             )
+            entry.ranks, entry.answered = ranks, True  # last: a failure above leaves it None
         except ConnectionError as exc:
             entry.error, entry.answered = str(exc), isinstance(exc, PeerRefused)
             logger.warning("QAICConnector: %s", exc)
         except Exception as exc:  # a bug here must fail this peer, not hang its callers
-            entry.ranks = None
             entry.error = f"handshake with {host}:{port} failed: {type(exc).__name__}: {exc}"
             logger.exception("QAICConnector: %s", entry.error)
         finally:
@@ -192,8 +183,7 @@ class PeerDirectory:
             # A failed handshake is retried after a pause, not cached forever.
             age = time.monotonic() - entry.finished if entry is not None else 0.0
             if entry is None or (retry and entry.error is not None and age > RETRY_AFTER_S):
-                entry = _Entry(threading.Event())
-                self._entries[(host, port)] = entry
+                entry = self._entries[(host, port)] = _Entry(threading.Event())
                 thread = threading.Thread(
                     target=self._run, args=(host, port, entry), daemon=True, name="qaic-handshake"
                 )

@@ -14,15 +14,9 @@ from collections.abc import Callable
 import zmq
 
 from vllm_qaic_connector.logs import get_logger
+from vllm_qaic_connector.protocol import wire
 from vllm_qaic_connector.protocol.ticket import RemotePrefill
-from vllm_qaic_connector.protocol.wire import (
-    NONCE_BYTES,
-    ErrorReply,
-    Message,
-    ReleaseRequest,
-    encode_message,
-    open_message,
-)
+from vllm_qaic_connector.protocol.wire import Message
 
 Handler = Callable[[Message], Message]
 # Inside vLLM's logger tree (printed in an engine) without importing vLLM: the proxy uses
@@ -114,12 +108,10 @@ class SideChannelServer:
         self._complained_at, self._quiet = now, 0
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if poller.poll(100):
+                    if self._sock.poll(100):
                         self._serve_one()
                 except Exception as exc:  # nothing a peer does may end the loop
                     self._complain("%s: %s", type(exc).__name__, exc)
@@ -139,21 +131,21 @@ class SideChannelServer:
         try:
             if len(frames) != 3:
                 raise ValueError(f"expected one payload frame, got {len(frames) - 2}")
-            envelope = open_message(frames[2], self._key)
+            envelope = wire.open_message(frames[2], self._key)
             nonce = envelope.nonce
             # Without a key anyone can forge a fresh frame anyway.
             if self._key and (replayed := self._replays.problem(nonce, envelope.sent_at)):
                 raise ValueError(replayed)
         except ValueError as exc:
-            reply = ErrorReply(str(exc))
+            reply = wire.ErrorReply(str(exc))
             self._complain("refused a message: %s", exc)
         else:
             try:
                 reply = self._handler(envelope.message)
             except Exception as exc:  # a peer may provoke this at will: complain, rate-limited
                 self._complain("handler failed on %s: %r", type(envelope.message).__name__, exc)
-                reply = ErrorReply(str(exc) or type(exc).__name__)
-        frame = encode_message(reply, self._key, in_reply_to=nonce)
+                reply = wire.ErrorReply(str(exc) or type(exc).__name__)
+        frame = wire.encode_message(reply, self._key, in_reply_to=nonce)
         try:
             self._sock.send_multipart([frames[0], b"", frame], zmq.NOBLOCK)
         except zmq.Again:
@@ -172,11 +164,11 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
     ms = int(timeout_s * 1000)
     options = {zmq.MAXMSGSIZE: MAX_REPLY_BYTES, zmq.RCVTIMEO: ms, zmq.SNDTIMEO: ms}
     sock = _socket(zmq.Context.instance(), zmq.REQ, options)
-    nonce = secrets.token_bytes(NONCE_BYTES)
+    nonce = secrets.token_bytes(wire.NONCE_BYTES)
     try:
         sock.connect(endpoint(host, port))
-        sock.send(encode_message(msg, key, nonce=nonce))
-        envelope = open_message(sock.recv(), key)
+        sock.send(wire.encode_message(msg, key, nonce=nonce))
+        envelope = wire.open_message(sock.recv(), key)
         if key and envelope.in_reply_to != nonce:  # a replayed, or someone else's, reply
             raise ValueError("the reply does not answer our request")
         reply = envelope.message
@@ -187,7 +179,7 @@ def call(host: str, port: int, msg: Message, key: bytes | None, timeout_s: float
         raise ConnectionError(f"side channel {host}:{port}: {exc}") from None
     finally:
         sock.close(0)
-    if isinstance(reply, ErrorReply):
+    if isinstance(reply, wire.ErrorReply):
         raise ConnectionError(f"side channel {host}:{port} refused: {reply.message}")
     return reply
 
@@ -199,7 +191,7 @@ def release(
     or abandoned by the decode rank ``reader``: its rank and TP size), so it frees it now
     rather than at the lease's end. A prefill that cannot be reached is logged: its lease
     frees the staging."""
-    msg = ReleaseRequest([remote.remote_request_id], *reader)
+    msg = wire.ReleaseRequest([remote.remote_request_id], *reader)
     try:
         call(remote.remote_host, remote.remote_port, msg, key, timeout_s)
     except ConnectionError as exc:

@@ -24,18 +24,12 @@ from typing import NamedTuple
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9]+", re.ASCII)
 
-RETAINED = "_RetainedState"
-INTERNAL_RETAINED = "_InternalRetainedState"
-
 
 def validate_prefix(prefix: str | None) -> str | None:
-    """Return ``prefix`` unchanged if valid (None means "no prefix"), else raise ValueError."""
-    if prefix is None:
-        return None
-    if not isinstance(prefix, str):
-        raise TypeError(f"kv_cache_prefix must be a string or None, got {type(prefix).__name__}")
+    """Return ``prefix`` unchanged if valid (None means "no prefix"), else raise ValueError
+    (TypeError, from the regex, where it is not a string)."""
     # fullmatch + ASCII: "a\n" (a `$` loophole) and "ä" (str.isalnum loophole) are refused.
-    if not _PREFIX_RE.fullmatch(prefix):
+    if prefix is not None and not _PREFIX_RE.fullmatch(prefix):
         raise ValueError(
             f"invalid kv_cache_prefix {prefix!r}: must be one or more ASCII letters or digits "
             "(no '_', '-', spaces or other characters), as in QEfficient's kv_cache_prefix"
@@ -54,7 +48,7 @@ def kv_buffer_regex(prefix: str | None) -> re.Pattern[str]:
     infix = "" if prefix is None else "_" + re.escape(prefix)
     return re.compile(
         rf"\Apast_(?P<kind>key|value)\.(?P<layer>[0-9]+){infix}"
-        rf"(?P<suffix>{RETAINED}|{INTERNAL_RETAINED})?\Z"
+        r"(?P<suffix>_RetainedState|_InternalRetainedState)?\Z"
     )
 
 

@@ -214,7 +214,8 @@ class DecodeEndpoint:
         notifies = self.reader.delivers_notifications  # else: released over the side channel
         ack = wire.ack_message(remote.remote_request_id, 0, 1, 0, self.key) if notifies else None
         binding = ticket.ticket_binding(remote)
-        if remote.staged_layout == "qaic_slot" and self.puller and self.puller.accepts(geo):
+        # Staged as exactly one of our slots: the READ lands in it (else: convert on host).
+        if remote.staged_layout == "qaic_slot" and self.puller and geo == self.target.geometry:
             runs = self.puller.pull(slot, src.endpoint, remote.staging_offset, geo, n,
                                     remote.generation, ack, binding)  # fmt: skip
             self.counters["read_descriptors"] += len(runs)

@@ -33,10 +33,6 @@ class SlotPuller:
             self.close()
             raise
 
-    def accepts(self, geo: KVGeometry) -> bool:
-        """Whether KV staged with ``geo`` is exactly one of our slots (else: convert on host)."""
-        return geo == self.target.geometry
-
     def pull(
         self, slot: int, peer: TransportEndpoint, staging_offset: int, geo: KVGeometry,
         num_tokens: int, generation: int, notify: bytes | None = None, binding: bytes = UNBOUND,
@@ -45,7 +41,7 @@ class SlotPuller:
         ``slot``; returns the runs read (one NIXL descriptor each). StaleTicket if the
         region's header did not hold ``generation`` and ``binding`` before and ``generation``
         after (the slot then holds garbage: its owner frees it)."""
-        if not self.accepts(geo):
+        if geo != self.target.geometry:
             raise ValueError(f"staged geometry {geo} is not a slot of this target")
         self.target.check_writable(slot, num_tokens)
         addresses = [(k.data_ptr(), v.data_ptr()) for k, v in self._buffers]

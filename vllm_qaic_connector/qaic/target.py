@@ -18,7 +18,6 @@ from typing import NamedTuple
 
 import msgspec
 import torch
-from msgspec.structs import force_setattr
 
 from vllm_qaic_connector.kv.copy_pool import CopyPool
 from vllm_qaic_connector.layout import KV, KVGeometry
@@ -50,7 +49,7 @@ class BufferSpec(msgspec.Struct, frozen=True):
         if not self.name:
             raise ValueError("buffer name must not be empty")
         # msgspec checks types only when decoding; a list from Python would compare unequal.
-        force_setattr(self, "shape", tuple(self.shape))
+        msgspec.structs.force_setattr(self, "shape", tuple(self.shape))
         if not all(type(d) is int and d >= 0 for d in self.shape):
             raise ValueError(f"buffer {self.name!r}: bad shape {self.shape}")
         torch_dtype(self.dtype)
@@ -163,8 +162,6 @@ class SlotTarget:
     def kv(self, layer: int) -> KV:
         """Layer ``layer``'s K and V buffers, each ``[slots, heads, ctx, head_dim]`` (shm views)."""
         self._check_open()
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         return self._kv[layer]
 
     def allocate_slot(self) -> int:

@@ -187,9 +187,8 @@ class NixlTransport(KVTransport):
                 self._destinations[tensor.data_ptr()] = (tensor.nbytes, reg, tensor.get_device())
 
     def deregister_destination(self, tensor: torch.Tensor) -> None:
-        with self._lock:
-            held = self._destinations.pop(tensor.data_ptr(), None)
-            if held is not None and not self._closed:
+        with self._lock:  # none after close(), which deregistered them all
+            if (held := self._destinations.pop(tensor.data_ptr(), None)) is not None:
                 self._give_back(_Held(tensor, -1, held[1]))
 
     def read_into(
