@@ -39,7 +39,7 @@ def test_invalid_prefix_is_refused_naming_it(bad):
 
 
 def test_non_string_prefix_is_a_type_error():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="kv_cache_prefix must be a string or None, got int"):
         validate_prefix(7)  # type: ignore[arg-type]
 
 

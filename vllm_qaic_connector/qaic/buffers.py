@@ -27,7 +27,9 @@ _PREFIX_RE = re.compile(r"[A-Za-z0-9]+", re.ASCII)
 
 def validate_prefix(prefix: str | None) -> str | None:
     """Return ``prefix`` unchanged if valid (None means "no prefix"), else raise ValueError
-    (TypeError, from the regex, where it is not a string)."""
+    (TypeError where it is not a string)."""
+    if not isinstance(prefix, str | None):  # named: it comes from an operator's config
+        raise TypeError(f"kv_cache_prefix must be a string or None, got {type(prefix).__name__}")
     # fullmatch + ASCII: "a\n" (a `$` loophole) and "ä" (str.isalnum loophole) are refused.
     if prefix is not None and not _PREFIX_RE.fullmatch(prefix):
         raise ValueError(
