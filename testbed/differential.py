@@ -29,17 +29,15 @@ What it draws (each option with its own probability, so that 30 requests still s
   and clients that close a stream after its first event.
 
 And it sees the transfers: every answer through the proxy must carry no ticket (a non-null
-``kv_transfer_params`` at any depth, whole or streamed); each fleet's decode runs
+``kv_transfer_params`` at any depth, whole or streamed); the first fleet's decode runs
 ``kv_load_failure_policy: fail`` (a failed load is an error answer, found at its request;
 a decode that keeps turns must recompute); after each fleet's run the decode's loaded
 requests must have grown by the handoffs the requests imply (`handoffs`), with no load
 failure, and the fleet must be idle again (no request running, no staging page held;
 without kept turns, no decode block held), which a client's disconnect must not break.
 
-Four fleets, one feature each beside vLLM's defaults (`FLEETS`): ``plain`` (the defaults);
-``capped`` (a generation-config token cap, no prefix caching, a server chat template that
-marks roles); ``drafting`` (speculative decoding, n-gram drafts by default); ``turns`` (the
-decode keeps turns for the next turn's prefill).
+Two fleets: vLLM's defaults; a generation-config token cap, no prefix caching, speculative
+decoding (n-gram drafts by default), kept turns and a server chat template that marks roles.
 ``--concurrency N``: N conversations in flight at once, each request compared with vLLM
 alone as it is answered (the shipped model is float32-exact across batches).
 ``--break-transfers`` gives each decode another side-channel key than its prefill's, so
@@ -99,7 +97,7 @@ RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 CAP = 5  # the capped fleet's --override-generation-config max_new_tokens
 CONTEXT = TINY.max_model_len
-# The drafting fleet's --speculative-config: drafts with no KV of their own, any model.
+# The capped fleet's --speculative-config: drafts with no KV of their own, any model.
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
                     "prompt_lookup_min": 2})  # fmt: skip
 # A chat template that marks roles (with words of the shipped model's vocabulary).
@@ -634,7 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=1, help="conversations in flight")
     other = "another model (scripts/make_random_model.py), served in float32"
     p.add_argument("--model", type=Path, default=MODEL, help=other)
-    spec = "the drafting fleet's --speculative-config (JSON; none: off), vLLM alone's too"
+    spec = "the capped fleet's --speculative-config (JSON; none: off), vLLM alone's too"
     p.add_argument("--speculative-config", default=NGRAM, help=spec)
     p.add_argument("--fleet", choices=FLEETS, default=None, help="only this fleet")
     broken = "start each decode with another side-channel key than its prefill's: every load fails"
@@ -646,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if found else 0
 
 
-FLEETS = ("plain", "capped", "drafting", "turns")  # one feature each
+FLEETS = ("plain", "capped")
 
 
 def key_file(run: LiveRun, name: str) -> str:
@@ -685,9 +683,9 @@ def run_differential(
     speculative: str | None = NGRAM, only: str | None = None, concurrency: int = 1,
     broken: bool = False,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """The fleets (`FLEETS`; ``drafting`` drafts with ``speculative``), ``n`` requests
-    each, ``concurrency`` at once; ``only``: that one of `FLEETS`. Returns the differences,
-    tickets shown and transfer problems found."""
+    """Both fleets (vLLM's defaults; a generation-config cap, ``speculative`` decoding),
+    ``n`` requests each, ``concurrency`` at once; ``only``: that one of `FLEETS`. Returns
+    the differences, tickets shown and transfer problems found."""
     chat = ["--chat-template", CHAT_TEMPLATE, "--trust-request-chat-template"]
     if model != MODEL:  # random weights: float32, as the harness serves them (no near-ties)
         chat += ["--dtype", "float32"]
@@ -697,23 +695,21 @@ def run_differential(
     # block), and with a chat template that marks roles (the later one counts).
     cap = [*chat, "--override-generation-config", json.dumps({"max_new_tokens": CAP}),
            "--no-enable-prefix-caching", "--chat-template", ROLE_TEMPLATE]  # fmt: skip
-    drafts = [*chat, "--speculative-config", speculative] if speculative else chat
+    if speculative:
+        cap += ["--speculative-config", speculative]
     found: list[dict[str, Any]] = []
     with LiveRun("differential") as run:
         starts = {
             "plain": lambda: start_fleet(run, "plain", chat, model, False, broken),
-            "capped": lambda: start_fleet(run, "capped", cap, model, False, broken),
-            "drafting": lambda: start_fleet(run, "drafting", drafts, model, False, broken),
-            "turns": lambda: start_fleet(run, "turns", chat, model, True, broken),
+            "capped": lambda: start_fleet(run, "capped", cap, model, True, broken),
         }
-        for name in [name for name in FLEETS if only in (None, name)]:
-            # One fleet at a time: eight engines at once would not fit beside CI's others.
-            prefill, decode = starts[name]()
-            wait_all_ready(prefill, decode)
-            options = ("--reuse-turns",) if name == "turns" else ()
+        engines = {name: start() for name, start in starts.items() if only in (None, name)}
+        wait_all_ready(*(s for f in engines.values() for s in f))
+        for name, (prefill, decode) in engines.items():
+            options = ("--reuse-turns",) if name == "capped" else ()
             proxy = run.proxy([prefill.url], [decode.url], [decode.side_channel], options=options)
             wait_all_ready(proxy)
-            seeded = name != "drafting" or not speculative
+            seeded = name == "plain" or not speculative
             fleet = Fleet(name, prefill, decode, proxy, seeded, grammar=model != MODEL)
             say(f"[differential] fleet {name}: {n} requests, seed {seed}, concurrency "
                 f"{concurrency}")  # fmt: skip
@@ -723,7 +719,7 @@ def run_differential(
             tally = Tally(say)
             t0 = time.monotonic()
             compare(fleet, n, seed, concurrency, tally)
-            problems = transfers(fleet, before, tally, reuse=name == "turns")
+            problems = transfers(fleet, before, tally, reuse=name == "capped")
             loaded = decode.metric(LOADED, 0.0) - before["loaded"]
             say(
                 f"[differential] fleet {name}: {n} compared in {time.monotonic() - t0:.0f} s, "
@@ -732,13 +728,11 @@ def run_differential(
             )
             for problem in problems:
                 say(f"[differential] fleet {name}: TRANSFERS: {problem}")
-            if name == "turns":  # the next turns' loads of the turns the decode kept
+            if name == "capped":  # the next turns' loads of the turns the decode kept
                 kept, turns = decode.metric(KEPT, 0.0), prefill.metric(LOADED, 0.0)
                 say(f"[differential] fleet {name}: {kept:.0f} turns kept, {turns:.0f} loaded")
             found += tally.differences + tally.tickets
             found += [{"fleet": name, "transfers": p} for p in problems]
-            for server in (proxy, prefill, decode):
-                server.stop()
         run.keep |= bool(found)  # the engines' logs say why (a crash: its stack)
     return found
 

@@ -51,10 +51,7 @@ from testbed.shm_objects import (
 HARNESS = ROOT / "scripts" / "run_accuracy_test.sh"
 MODEL = MODEL_DIR
 STARTUP_TIMEOUT_S = 300.0
-# What an orchestrator gives a stopping server before SIGKILL (Kubernetes' default is 30 s).
-# A SIGKILLed group takes its resource tracker with it, so its shm segments stay until the
-# engine id restarts: a shorter grace on a busy host reports that as a leak.
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 15.0
 
 
 ANSWER_TOKENS = copy_task.answer_max_tokens()
@@ -453,7 +450,7 @@ class Server:
         self, name: str, argv: list[str], env: dict[str, str], workdir: Path, port: int
     ) -> None:
         self.name, self.argv, self.env, self.workdir, self.port = name, argv, env, workdir, port
-        self.proc: subprocess.Popen[bytes] | Adopted | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self.log_path = workdir / f"{name}.log"
         self.seen: dict[int, ProcInfo] = {}  # every process of this server's groups we saw
@@ -634,59 +631,6 @@ class VllmServer(Server):
         return metric(self.url, name, default)
 
 
-class Adopted:
-    """A server process that another process started and keeps (a fleet kept running by
-    tests/live/fleet.py): the part of ``subprocess.Popen`` a ``Server`` uses."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def poll(self) -> int | None:
-        info = proc_info(self.pid)
-        return None if info is not None and info.state != "Z" else -1
-
-    def send_signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
-
-    def wait(self, timeout: float | None = None) -> int:
-        gone, _ = poll_until(
-            lambda: self.poll() is not None, 3600.0 if timeout is None else timeout
-        )
-        if not gone:
-            raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
-        return -1
-
-
-def server_record(server: Server) -> dict[str, Any]:
-    """What another process needs to adopt ``server`` (`adopt_server`)."""
-    record = {"name": server.name, "argv": server.argv, "port": server.port,
-              "pid": server.pid, "starts": server.starts}  # fmt: skip
-    if isinstance(server, VllmServer):
-        record.update(core=server.core, kv=server.kv, extra_env=server.extra_env)
-    return record
-
-
-def adopt_server(record: dict[str, Any], workdir: Path) -> Server:
-    """A running server another process started (`server_record`): it can be asked,
-    signalled, waited for and restarted (a restart is this process's child, and outlives
-    it: whoever keeps the fleet adopts it back at the end)."""
-    name, port = record["name"], record["port"]
-    server: Server
-    if "kv" in record:
-        server = VllmServer(name, workdir, record["core"], record["kv"], port,
-                            extra_env=record["extra_env"])  # fmt: skip
-    else:
-        server = Server(
-            name, record["argv"], {**os.environ, "PYTHONUNBUFFERED": "1"}, workdir, port
-        )
-    server.argv, server.starts = record["argv"], record["starts"]
-    server.log_path = workdir / f"{name}.{server.starts}.log"
-    server.proc = Adopted(record["pid"])
-    server.pids()
-    return server
-
-
 @dataclass
 class CleanupReport:
     leftover_pids: dict[str, list[int]] = field(default_factory=dict)
@@ -732,15 +676,6 @@ class LiveRun:
         self._all_shm_before = segments("")
         self.shm_before = segments()
         self.report: CleanupReport | None = None
-
-    @classmethod
-    def kept(cls, workdir: Path, tag: str) -> LiveRun:
-        """The run of a fleet another process keeps (tests/live/fleet.py), to start more
-        servers in beside it; never closed here (its keeper closes it)."""
-        run = cls.__new__(cls)
-        run.tag, run.dir, run.keep, run.servers, run.report = tag, workdir, True, [], None
-        run._all_shm_before, run.shm_before = set(), set()
-        return run
 
     def engine_id(self, role: str) -> str:
         return f"{self.tag}{role}"
@@ -909,6 +844,5 @@ def harness_leaves_nothing(**env: str) -> tuple[int, str]:
     """Runs the harness and checks it left no shared-memory objects behind."""
     before = shm_names()
     rc, out = harness(**env)
-    left = sorted(shm_names() - before)
-    assert not left, f"the run leaked shared-memory objects: {left}"
+    assert shm_names() - before == set(), "the run leaked shared-memory objects"
     return rc, out

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.day_seed import DAY_SEED, DaySeed
+from tests.daily_draw import DAY_SEED, DailyDraw
 
 # The harness machines have 2 cores and other processes; OMP spin-waits across threads
 # can stall vLLM's CPU ops, so tests use one intra-op thread.
@@ -19,12 +19,12 @@ LIVE = Path(__file__).resolve().parent / "live"
 
 @pytest.fixture
 def day_seed() -> int:
-    """The day's seed (tests/day_seed.py): the live tests that draw draw anew each day."""
+    """The day's seed (tests/daily_draw.py): the live tests that draw draw anew each day."""
     return DAY_SEED
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(DaySeed(), "day-seed")
+    config.pluginmanager.register(DailyDraw(), "daily-draw")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -191,6 +191,7 @@ ONE_PAIR = {"NUM_PREFILL_INSTANCES": "1", "NUM_DECODE_INSTANCES": "1", "PREFILL_
             "DECODE_BLOCK_SIZE": "32"}  # fmt: skip
 
 
+@pytest.mark.daily  # one model family a day (CI time); ALL_CASES=1 runs all four
 @pytest.mark.parametrize(
     ("arch", "tokenizer", "env"),
     [
@@ -279,6 +280,7 @@ def test_mamba_hybrid_model_moves_its_state_from_tp2_to_tp1(mamba_model):
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
 
 
+@pytest.mark.daily  # one of the two a day (CI time)
 @pytest.mark.parametrize(
     ("arch", "env"),
     [("deepseek_v2", {"KV_TRANSPORT": "nixl", "PREFILLER_TP_SIZE": "2"}),

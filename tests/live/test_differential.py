@@ -1,10 +1,11 @@
 """The proxy against vLLM itself over generated requests (testbed/differential.py): the
-short form of `make differential`, a new seed each day (the day's seed draws the requests),
-every fleet on every run, one feature each (`FLEETS`): vLLM's defaults; a generation-config
-token cap without prefix caching; n-gram speculative decoding; kept turns. 30 requests, two
-conversations at once. It fails on an answer unlike vLLM's, a ticket shown to a client, a
-handoff that did not load (or failed) and an engine left busy. Printed: a difference found
-is found again with ``python -m testbed.differential --seed S --fleet F --concurrency 2``."""
+short form of `make differential`, a new seed each day, one fleet a day in turn (the day's
+draw; 30 requests, two conversations at once: CI time, spent mostly starting a fleet's
+engines): vLLM's defaults, or a generation-config cap without prefix caching, drafting
+n-gram speculative tokens and keeping turns. It fails on an answer unlike vLLM's, a ticket
+shown to a client, a handoff that did not load (or failed) and an engine left busy.
+Printed: a difference found is found again with
+``python -m testbed.differential --seed S --fleet F --concurrency 2``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from testbed.differential import FLEETS, run_differential
 
 
+@pytest.mark.daily  # one fleet a day, in turn: ALL_CASES=1 runs both
 @pytest.mark.parametrize("fleet", FLEETS)
 def test_the_proxy_answers_as_vllm_over_generated_requests(day_seed, fleet):
     seed = day_seed

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import statistics
@@ -29,7 +28,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -42,7 +41,6 @@ from testbed.live_servers import (
     Server,
     Streamed,
     VllmServer,
-    adopt_server,
     complete,
     completion_body,
     copy_prompts,
@@ -57,7 +55,6 @@ from testbed.live_servers import (
     outcome,
     poll_until,
     random_model,
-    server_record,
     stage,
     stream_completion,
     token_ids,
@@ -229,104 +226,22 @@ def finish_cluster(cluster: Cluster, failed: bool) -> None:
     assert report.clean, f"the {cluster.transport} run left things behind: {report.problems()}"
 
 
-RUNNING = "vllm:num_requests_running"
-CLEAN_WAIT_S = 30.0  # what an idle engine may take to finish aborted requests
-
-
-def left_clean(c: Cluster) -> list[str]:
-    """What a case left behind on the shared set: an engine that runs but does not answer
-    /health, staging pages still held after the lease (a step to expire them: one plain
-    request, which stages nothing), requests still running or waiting. Engines a case
-    killed stay down: the next case that needs one restarts it (`Cluster.ensure`)."""
-    problems = []
-    engines = [s for s in (c.prefill, c.decode, c.decode_fail) if s.alive()]
-    for s in list(engines):
-        try:
-            healthy = requests.get(f"{s.url}/health", timeout=10).status_code == 200
-        except requests.RequestException:
-            healthy = False
-        if not healthy:
-            problems.append(f"{s.name} runs but is not healthy")
-            engines.remove(s)
-    if c.prefill in engines and c.prefill.metric(PAGES_IN_USE, 0.0) > 0:
-        time.sleep(LEASE_S)  # leases a case let run out: expired at the next step
-        complete(c.prefill.url, "a b", max_tokens=1)
-        freed, _ = poll_until(lambda: c.prefill.metric(PAGES_IN_USE, 0.0) == 0, LEASE_S + 8)
-        if not freed:
-            problems.append(f"prefill holds {c.prefill.metric(PAGES_IN_USE)} staging pages")
-    for s in engines:
-        idle, _ = poll_until(
-            lambda s=s: s.metric(RUNNING, 0.0) + s.metric(WAITING, 0.0) == 0, CLEAN_WAIT_S
-        )
-        if not idle:
-            problems.append(f"{s.name} still has requests running or waiting")
-    return problems
-
-
-def check_left_clean(c: Cluster) -> None:
-    """After each case: a dirty set fails the case that left it so, and the engines it
-    left dirty are killed, for the next case to start afresh."""
-    problems = left_clean(c)
-    if problems:
-        for s in (c.prefill, c.decode, c.decode_fail):
-            if any(p.startswith(f"{s.name} ") for p in problems):
-                s.kill()
-                s.wait_gone(15)
-        pytest.fail(f"the case left the shared {c.transport} set dirty: {problems}")
-
-
-# The two sets, by transport: (label, keyed, IPv6). IPv6 runs nowhere else.
-SETS = {"shm": ("faultshm", False, False), "nixl": ("faultnixl", True, True)}
-FLEET_ENV = "LIVE_FLEET"  # a set kept running by tests/live/fleet.py: its record's file
-ROLES = ("prefill", "decode", "decode_fail", "proxy")
-
-
-def start_set(transport: str) -> Cluster:
-    label, keyed, ipv6 = SETS[transport]
-    return start_cluster(label, transport, keyed, ipv6)
-
-
-def cluster_record(c: Cluster) -> dict[str, Any]:
-    """What another process needs to run cases on ``c`` (`adopt_cluster`)."""
-    servers = {role: server_record(getattr(c, role)) for role in ROLES}
-    return {"transport": c.transport, "ipv6": c.ipv6, "prompt_seed": c.prompt_seed,
-            "dir": str(c.run.dir), "tag": c.run.tag, **servers}  # fmt: skip
-
-
-def adopt_cluster(record: dict[str, Any]) -> Cluster:
-    run = LiveRun.kept(Path(record["dir"]), record["tag"])
-    servers = [adopt_server(record[role], run.dir) for role in ROLES]
-    prefill, decode, decode_fail = (cast(VllmServer, s) for s in servers[:3])
-    return Cluster(run, record["transport"], prefill, decode, decode_fail, servers[3],
-                   record["ipv6"], record["prompt_seed"])  # fmt: skip
-
-
-def shared_set(request: pytest.FixtureRequest, transport: str) -> Iterator[Cluster]:
-    """The class's set, started once for its cases; or the one that ``LIVE_FLEET`` names,
-    if of this transport, kept running after the cases (their restarts written back)."""
-    kept = os.environ.get(FLEET_ENV)
-    record = json.loads(Path(kept).read_text()) if kept else {}
-    if kept and record["transport"] == transport:
-        cluster = adopt_cluster(record)
-        yield cluster
-        Path(kept).write_text(json.dumps(cluster_record(cluster)))
-        return
-    cluster = start_set(transport)
+@pytest.fixture(scope="class")
+def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    cluster = start_cluster("faultshm", "shm", keyed=False)
     failed = request.session.testsfailed
     yield cluster
     finish_cluster(cluster, request.session.testsfailed > failed)
 
 
 @pytest.fixture(scope="class")
-def shm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    yield from shared_set(request, "shm")
-
-
-@pytest.fixture(scope="class")
 def nixl_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     import nixl  # noqa: F401  (NIXL missing is a failure, never a skip)
 
-    yield from shared_set(request, "nixl")
+    cluster = start_cluster("faultnixl", "nixl", keyed=True, ipv6=True)  # IPv6 nowhere else
+    failed = request.session.testsfailed
+    yield cluster
+    finish_cluster(cluster, request.session.testsfailed > failed)
 
 
 # --- cases shared by both transports -----------------------------------------------------------
@@ -609,11 +524,6 @@ class BlackHole:
 
 
 class TestShm:
-    @pytest.fixture(autouse=True)
-    def _left_clean(self, shm_cluster: Cluster) -> Iterator[None]:
-        yield
-        check_left_clean(shm_cluster)
-
     def test_0_happy_path(self, shm_cluster: Cluster) -> None:
         check_happy_path(shm_cluster)
 
@@ -837,6 +747,7 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert freed, f"{c.prefill.metric(PAGES_IN_USE)} staging pages still in use"
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_decode_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "decode")
 
@@ -862,6 +773,7 @@ class TestShm:
         assert verdicts == ["correct"] * 8, [a.brief() for a in answers]
         assert loaded == 0
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, shm_cluster: Cluster) -> None:
         check_restart(shm_cluster, "prefill")
 
@@ -1084,9 +996,11 @@ class TestShm:
             d.kill(signal.SIGTERM)
             d.wait_gone(15)
 
+    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_draft_model_s_kv_keeps_its_place(self, shm_cluster: Cluster) -> None:
         check_draft_model_handoff(shm_cluster)
 
+    @pytest.mark.daily(axis="a speculative method whose drafter holds KV")  # CI time
     def test_r_a_speculative_drafter_s_kv_moves_when_both_engines_run_it(
         self, shm_cluster: Cluster
     ) -> None:
@@ -1278,11 +1192,6 @@ class TestShm:
 
 
 class TestNixl:
-    @pytest.fixture(autouse=True)
-    def _left_clean(self, nixl_cluster: Cluster) -> Iterator[None]:
-        yield
-        check_left_clean(nixl_cluster)
-
     def test_0_happy_path(self, nixl_cluster: Cluster) -> None:
         check_happy_path(nixl_cluster)
 
@@ -1388,5 +1297,6 @@ class TestNixl:
         prefill reads from an agent that is gone."""
         check_prefill_killed_before_read(nixl_cluster)
 
+    @pytest.mark.daily(axis="an engine restarts under its engine id")  # one a day: CI time
     def test_f_prefill_restart_same_engine_id(self, nixl_cluster: Cluster) -> None:
         check_restart(nixl_cluster, "prefill")

@@ -29,6 +29,7 @@ def _run_leftovers(out: str) -> list[str]:
 DESCRIPTORS = re.compile(r"programs=(\d+) NIXL descriptors per handoff=(\d+)")
 
 
+@pytest.mark.daily  # one router and transport a day (CI time); the negative control always
 @pytest.mark.parametrize(
     ("transport", "programs", "arch", "router"),
     [("shm", "1", None, "vllm-router"), ("nixl", "2", "qwen3", "proxy"),
