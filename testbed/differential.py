@@ -55,6 +55,7 @@ import argparse
 import json
 import os
 import random
+import re
 import secrets
 import sys
 import threading
@@ -92,6 +93,9 @@ from vllm_qaic_proxy import apis, first_token, prompt_lists
 KEPT, LOADED = "vllm:qaic_kv_kept_turns_total", "vllm:qaic_kv_loaded_requests_total"
 LOAD_FAILURES = "vllm:qaic_kv_load_failures_total"
 LEFT = "client-left-"  # the request id of a request whose client leaves early
+# An answer's ids in its first event: the Responses API names its request itself (resp_...),
+# whatever X-Request-Id says, and the decode's log names the request by that id.
+ANSWER_IDS = re.compile(rb'"id":\s*"([^"]+)"')
 PAGES_IN_USE = "vllm:qaic_kv_staging_pages_in_use"
 RUNNING, WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -409,17 +413,22 @@ def answer(url: str, request: Request, body: dict[str, Any]) -> tuple[Any, list[
     return merged, tickets
 
 
-def leave_early(url: str, request: Request) -> Any:
+def leave_early(url: str, request: Request) -> tuple[Any, list[str]]:
     """A client that reads a stream's first event and closes it; a refusal as it came. Its
-    request id starts with `LEFT`: the decode's log names it where its load failed (the
-    proxy released the staging when the client went; the request was aborted anyway)."""
+    request id starts with `LEFT`, and its first event names the answer's ids: the decode's
+    log names one of them where its load failed (the proxy released the staging when the
+    client went; the request was aborted anyway)."""
     headers = {**request.headers, "X-Request-Id": f"{LEFT}{secrets.token_hex(4)}"}
     post = {"json": request.body, "headers": headers, "stream": True, "timeout": 300}
+    first = b""
     with requests.post(url + request.path, **post) as r:  # type: ignore[arg-type]
         if r.status_code != 200:
-            return {"status": r.status_code}
-        next(r.iter_content(chunk_size=None), b"")
-    return {"left": True}
+            return {"status": r.status_code}, []
+        for chunk in r.iter_content(chunk_size=None):
+            first += chunk
+            if b"\n\n" in first:  # a whole event
+                break
+    return {"left": True}, [i.decode() for i in ANSWER_IDS.findall(first)]
 
 
 def difference(a: Any, b: Any, at: str = "") -> str | None:
@@ -494,6 +503,7 @@ class Tally:
     fewest: int = 0
     most: int = 0
     sent: int = 0
+    left: set[str] = field(default_factory=lambda: {LEFT})  # ids of requests whose client left
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take(self, limit: int) -> bool:
@@ -517,8 +527,10 @@ def one(fleet: Fleet, request: Request, tally: Tally) -> Any:
     """``request`` through the proxy and to vLLM alone: the proxy's answer, and what it
     found (a difference, a ticket shown) in ``tally``."""
     if request.disconnect:
-        got: Any = leave_early(fleet.proxy.url, request)
+        got, ids = leave_early(fleet.proxy.url, request)
         tickets: list[str] = []
+        with tally.lock:
+            tally.left.update(ids)
     else:
         got, tickets = answer(fleet.proxy.url, request, request.body)
     fewest, most = handoffs(request, got)
@@ -601,7 +613,8 @@ def transfers(fleet: Fleet, before: dict[str, float], tally: Tally, reuse: bool)
     failed = decode.metric(LOAD_FAILURES, 0.0) - before["failed"]
     # Load failures of requests whose client left are not the transfer's (logged by id).
     log = log_lines(fleet.decode)[int(before["log_lines"]) :]
-    failed -= sum(1 for line in log if "KV load failed" in line and LEFT in line)
+    failed -= sum(1 for line in log
+                  if "KV load failed" in line and any(i in line for i in tally.left))  # fmt: skip
     problems = []
     if not tally.fewest <= loaded <= tally.most:
         problems.append(f"the decode loaded {loaded:.0f} prompts, expected {tally.fewest}"
