@@ -17,6 +17,8 @@ class LeastOutstanding:
     pool still spreads load and one slow backend never collects a queue."""
 
     def __init__(self, backends: list[str]) -> None:
+        if not backends:  # a clear error at start-up, not a 500 on every request
+            raise ValueError("no backends")
         self.outstanding = dict.fromkeys(backends, 0)
         self._turn = itertools.count()
         self._down_until = dict.fromkeys(backends, 0.0)

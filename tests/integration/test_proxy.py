@@ -79,6 +79,11 @@ def test_a_busy_backend_gets_nothing_while_another_is_idle() -> None:
     assert picks == ["idle"] * 5
 
 
+def test_a_pool_of_no_backends_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="no backends"):
+        LeastOutstanding([])
+
+
 def test_pairs_cycle_through_every_prefill_decode_pair() -> None:
     router = Router(["p1", "p2"], ["d1", "d2", "d3"], "pairs")
     first = [router.route() for _ in range(6)]
